@@ -1,0 +1,33 @@
+# The two commands of the README: `make demo` and `make test`.
+# Everything is installed into .venv; nothing outside the package registries.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The local CPU build of torch lives here on our machines; pinning the exact
+# version keeps pip from pulling multi-GB CUDA wheels on a CPU machine.
+TORCH_SPEC ?= torch==2.13.0
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: setup demo test lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) "$(TORCH_SPEC)"
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(PY) tools/demo.py
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

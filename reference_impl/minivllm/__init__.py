@@ -1,0 +1,16 @@
+"""minivllm: a small, complete engine that works the way vLLM does."""
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.entrypoints.llm import LLM
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

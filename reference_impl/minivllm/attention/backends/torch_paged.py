@@ -1,0 +1,100 @@
+"""Paged attention in plain PyTorch: the reference every faster backend is
+checked against.
+
+K and V are always read back *through the block tables*, for prefills as
+for decodes, so this backend exercises the same paging a kernel does.
+Scores and softmax are computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.attention.backends.abstract import AttentionMetadata
+from minivllm.attention.kv_cache import gather_kv
+
+
+class TorchPagedAttention:
+    """Causal attention over a mixed prefill + decode batch with GQA."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        output = torch.empty_like(query)
+        n_prefill_tokens = attn_metadata.num_prefill_tokens
+        for i in range(attn_metadata.num_prefills):
+            start = attn_metadata.query_start_loc[i]
+            end = attn_metadata.query_start_loc[i + 1]
+            output[start:end] = self._prefill_one(
+                query[start:end],
+                kv_cache,
+                attn_metadata.block_tables[i : i + 1],
+                attn_metadata.context_lens[i],
+                attn_metadata.seq_lens[i],
+            )
+        if attn_metadata.num_decode_tokens:
+            p = attn_metadata.num_prefills
+            output[n_prefill_tokens:] = self._decode(
+                query[n_prefill_tokens:],
+                kv_cache,
+                attn_metadata.block_tables[p:],
+                attn_metadata.seq_lens_tensor[p:],
+            )
+        return output
+
+    def _prefill_one(
+        self,
+        query: torch.Tensor,  # [q_len, num_heads, head_size]
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,  # [1, max_blocks]
+        context_len: int,
+        seq_len: int,
+    ) -> torch.Tensor:
+        """One prefill: q_len new tokens after `context_len` cached ones.
+
+        Query row j sits at position context_len + j and sees keys 0..that.
+        """
+        keys, values = gather_kv(kv_cache, block_table)
+        keys, values = keys[0, :seq_len], values[0, :seq_len]  # [seq_len, kv_heads, head]
+        q_len = query.shape[0]
+        q = query.view(q_len, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
+        # [kv_heads, group, q_len, seq_len]
+        scores = torch.einsum("qkgd,skd->kgqs", q.float(), keys.float()) * self.scale
+        q_pos = torch.arange(context_len, context_len + q_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        future = k_pos[None, :] > q_pos[:, None]  # [q_len, seq_len]
+        scores.masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("kgqs,skd->qkgd", probs, values.float())
+        return out.reshape(q_len, self.num_heads, self.head_size).to(query.dtype)
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_size]
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [num_decodes, max_blocks]
+        seq_lens: torch.Tensor,  # [num_decodes]
+    ) -> torch.Tensor:
+        """All decodes at once: one query token each, padded to the longest."""
+        keys, values = gather_kv(kv_cache, block_tables)  # [B, max_len, kv_heads, head]
+        b = query.shape[0]
+        q = query.view(b, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
+        # [B, kv_heads, group, max_len]
+        scores = torch.einsum("bkgd,bskd->bkgs", q.float(), keys.float()) * self.scale
+        k_pos = torch.arange(keys.shape[1], device=query.device)
+        beyond = k_pos[None, :] >= seq_lens[:, None]  # [B, max_len]
+        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bkgs,bskd->bkgd", probs, values.float())
+        return out.reshape(b, self.num_heads, self.head_size).to(query.dtype)

@@ -1,0 +1,255 @@
+"""Engine configuration, split the way vLLM splits it.
+
+`ModelConfig`, `CacheConfig`, `SchedulerConfig` and `DeviceConfig` are plain
+dataclasses; `engine/arg_utils.py` builds them from the keyword arguments a
+user passes to `LLM(...)`. Each validates its own ranges so that a bad value is
+reported where it was given, with its name.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+_STR_TO_DTYPE = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass
+class DeviceConfig:
+    """Where the model and the KV cache live: "cpu" or "cuda"."""
+
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but torch sees no CUDA GPU")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass
+class ModelConfig:
+    """The checkpoint to serve and how to run it.
+
+    `model` is a local directory holding a Hugging Face checkpoint
+    (config.json, safetensors weights, tokenizer files) or a hub id.
+    `dtype="auto"` means float32 on the CPU and the checkpoint's own dtype on
+    a GPU: CPUs are slow and inexact in half precision, GPUs are built for it.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    device: str = "cpu"
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    local_path: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Imported here: the loader imports this module.
+        from minivllm.model_executor.weight_utils import resolve_model_path
+
+        self.local_path = resolve_model_path(self.model)
+        if self.tokenizer is None:
+            self.tokenizer = self.local_path
+        self.hf_config = AutoConfig.from_pretrained(
+            self.local_path, trust_remote_code=self.trust_remote_code
+        )
+        self.dtype = self._resolve_dtype(self.dtype)
+        derived = self.derive_max_model_len()
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        elif not 1 <= self.max_model_len <= derived:
+            raise ValueError(
+                f"max_model_len must be between 1 and the model's context length "
+                f"{derived}, got {self.max_model_len}"
+            )
+
+    def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype == "auto":
+            if self.device == "cpu":
+                return torch.float32
+            ckpt = getattr(self.hf_config, "dtype", None) or getattr(
+                self.hf_config, "torch_dtype", None
+            )
+            if isinstance(ckpt, str):
+                ckpt = _STR_TO_DTYPE.get(ckpt)
+            return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.float16
+        if dtype not in _STR_TO_DTYPE:
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_STR_TO_DTYPE)}, got {dtype!r}"
+            )
+        return _STR_TO_DTYPE[dtype]
+
+    def derive_max_model_len(self) -> int:
+        """The longest sequence the checkpoint allows.
+
+        Sliding-window attention (Mistral, some Qwen2) is not implemented:
+        within the window it equals full attention, so the window caps the
+        length.
+        """
+        length = 2048
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            value = getattr(self.hf_config, key, None)
+            if value is not None:
+                length = int(value)
+                break
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True):
+            length = min(length, int(window))
+        return length
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+    def get_num_layers(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_hidden_layers", None) or c.n_layer
+
+    def get_num_attention_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_attention_heads", None) or c.n_head
+
+    def get_num_kv_heads(self) -> int:
+        """KV heads: fewer than query heads under grouped-query attention."""
+        return getattr(self.hf_config, "num_key_value_heads", None) or (
+            self.get_num_attention_heads()
+        )
+
+    def get_head_size(self) -> int:
+        c = self.hf_config
+        head_dim = getattr(c, "head_dim", None)
+        if head_dim:
+            return head_dim
+        hidden = getattr(c, "hidden_size", None) or c.n_embd
+        return hidden // self.get_num_attention_heads()
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache.
+
+    The device pool holds `num_gpu_blocks` blocks of `block_size` tokens
+    (the name is vLLM's even when the "GPU" is a CPU). Its size comes from
+    `num_gpu_blocks_override` when given, else from the memory budget:
+    `kv_cache_memory_bytes` if set, otherwise 1 GiB on the CPU and
+    `gpu_memory_utilization` of the GPU. `swap_space` (GiB, as in vLLM)
+    sizes the CPU pool that SWAP preemption moves blocks into.
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    swap_space: float = 4.0
+    num_gpu_blocks_override: int | None = None
+    num_gpu_blocks: int | None = field(default=None, init=False)
+    num_cpu_blocks: int | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(
+                f"block_size must be a power of two from 1 to 128, got {self.block_size}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+
+
+class PreemptionMode(enum.Enum):
+    """How a running request gives up its KV cache when blocks run out.
+
+    RECOMPUTE frees the blocks; the request is prefilled again later from
+    its prompt plus the tokens it already generated. SWAP copies the blocks
+    to the CPU pool and back when memory frees up.
+    """
+
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits of the scheduler.
+
+    `max_num_batched_tokens` bounds the tokens of one forward pass (prefill
+    tokens plus one per decode); without chunked prefill it must hold a whole
+    prompt of `max_model_len` tokens. `preemption_mode=None` follows vLLM:
+    RECOMPUTE for single-sequence requests, SWAP for several sequences.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 2048
+    preemption_mode: PreemptionMode | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}): a prompt of max_model_len tokens "
+                "could never be scheduled. Raise max_num_batched_tokens or lower max_model_len."
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): every running sequence decodes one "
+                "token per step."
+            )
+        if isinstance(self.preemption_mode, str):
+            allowed = [m.value for m in PreemptionMode]
+            if self.preemption_mode not in allowed:
+                raise ValueError(
+                    f"preemption_mode must be None or one of {allowed}, "
+                    f"got {self.preemption_mode!r}"
+                )
+            self.preemption_mode = PreemptionMode(self.preemption_mode)
+
+
+@dataclass
+class EngineConfig:
+    """All the configs of one engine, passed around together."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+
+
+def default_cpu_kv_cache_bytes() -> int:
+    """1 GiB unless MINIVLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, like vLLM's CPU backend."""
+    return int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_SPACE", "1")) * (1 << 30))

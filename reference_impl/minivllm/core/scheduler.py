@@ -1,0 +1,336 @@
+"""The scheduler: which requests run in the next forward pass.
+
+Three queues hold every unfinished request, each in first-come-first-served
+order: `waiting` (not yet prefilled, or preempted by RECOMPUTE), `running`
+(KV cache on the device) and `swapped` (KV cache moved to the CPU pool).
+`schedule()` builds one mixed batch per step:
+
+1. every running request gets its next decode token; when the cache has no
+   block for it, the last-arrived running request is preempted (RECOMPUTE
+   or SWAP) until it fits;
+2. if nothing was preempted, swapped requests that fit are swapped back in
+   and decode too;
+3. if nothing was preempted and none is left swapped, waiting requests are
+   admitted for their prefill while `max_num_seqs` and
+   `max_num_batched_tokens` allow.
+
+Running before swapped before waiting is the priority order: a running
+request arrived before any request it could preempt, and admitting new
+prompts while swapped or just-preempted requests wait would starve them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.config import CacheConfig, PreemptionMode, SchedulerConfig
+from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
+from minivllm.sequence import (
+    Sequence,
+    SequenceGroup,
+    SequenceGroupMetadata,
+    SequenceStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequenceGroup:
+    """A group in this step's batch; each of its running sequences computes
+    `token_chunk_size` tokens (the whole uncomputed prompt, or 1 to decode)."""
+
+    seq_group: SequenceGroup
+    token_chunk_size: int
+
+
+@dataclass
+class SchedulerOutputs:
+    """The scheduler's decisions for one step.
+
+    scheduled_seq_groups: the batch, prefills first, then decodes.
+    blocks_to_swap_in: (cpu block, gpu block) pairs to copy before the pass.
+    blocks_to_swap_out: (gpu block, cpu block) pairs to copy before the pass.
+    blocks_to_copy: (src, dst) gpu block pairs (copy-on-write).
+    ignored_seq_groups: prompts that can never fit; finished as ignored.
+    preempted: groups preempted this step, with how.
+    """
+
+    scheduled_seq_groups: list[ScheduledSequenceGroup]
+    num_prefill_groups: int
+    num_batched_tokens: int
+    blocks_to_swap_in: list[tuple[int, int]]
+    blocks_to_swap_out: list[tuple[int, int]]
+    blocks_to_copy: list[tuple[int, int]]
+    ignored_seq_groups: list[SequenceGroup]
+    preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return (
+            not self.scheduled_seq_groups
+            and not self.blocks_to_swap_in
+            and not self.blocks_to_swap_out
+            and not self.blocks_to_copy
+        )
+
+
+@dataclass
+class SchedulingBudget:
+    """What is left of this step's token and sequence limits."""
+
+    token_budget: int
+    max_num_seqs: int
+    num_batched_tokens: int = 0
+    num_curr_seqs: int = 0
+
+    def can_schedule(self, num_new_tokens: int, num_new_seqs: int) -> bool:
+        return (
+            self.num_batched_tokens + num_new_tokens <= self.token_budget
+            and self.num_curr_seqs + num_new_seqs <= self.max_num_seqs
+        )
+
+    def add(self, num_new_tokens: int, num_new_seqs: int) -> None:
+        self.num_batched_tokens += num_new_tokens
+        self.num_curr_seqs += num_new_seqs
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        watermark: float = 0.01,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = BlockSpaceManager(
+            block_size=cache_config.block_size,
+            num_gpu_blocks=cache_config.num_gpu_blocks,
+            num_cpu_blocks=cache_config.num_cpu_blocks,
+            watermark=watermark,
+        )
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_cumulative_preemption = 0
+
+    # -- queue management ----------------------------------------------------
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: str) -> list[SequenceGroup]:
+        """Finish a request as aborted, from whichever queue holds it, and
+        free its blocks at once. Returns the aborted groups (0 or 1)."""
+        aborted = []
+        for queue in (self.waiting, self.running, self.swapped):
+            for seq_group in [sg for sg in queue if sg.request_id == request_id]:
+                queue.remove(seq_group)
+                for seq in seq_group.get_unfinished_seqs():
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    self.free_seq(seq)
+                aborted.append(seq_group)
+        return aborted
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> None:
+        self.running = deque(sg for sg in self.running if not sg.is_finished())
+
+    # -- one step ------------------------------------------------------------
+
+    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+        scheduler_outputs = self._schedule()
+        now = time.time()
+        seq_group_metadata_list = []
+        for scheduled in scheduler_outputs.scheduled_seq_groups:
+            seq_group = scheduled.seq_group
+            seq_group.maybe_set_first_scheduled_time(now)
+            running = seq_group.get_seqs(SequenceStatus.RUNNING)
+            seq_group_metadata_list.append(
+                SequenceGroupMetadata(
+                    request_id=seq_group.request_id,
+                    is_prompt=seq_group.is_prefill(),
+                    seq_data={seq.seq_id: seq.data for seq in running},
+                    sampling_params=seq_group.sampling_params,
+                    block_tables={
+                        seq.seq_id: self.block_manager.get_block_table(seq) for seq in running
+                    },
+                    token_chunk_size=scheduled.token_chunk_size,
+                    generator=seq_group.generator,
+                )
+            )
+        return seq_group_metadata_list, scheduler_outputs
+
+    def _schedule(self) -> SchedulerOutputs:
+        budget = SchedulingBudget(
+            token_budget=self.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+        )
+        out = SchedulerOutputs(
+            scheduled_seq_groups=[],
+            num_prefill_groups=0,
+            num_batched_tokens=0,
+            blocks_to_swap_in=[],
+            blocks_to_swap_out=[],
+            blocks_to_copy=[],
+            ignored_seq_groups=[],
+        )
+        decodes = self._schedule_running(budget, out)
+        if not out.preempted:
+            decodes += self._schedule_swapped(budget, out)
+        prefills = []
+        if not out.preempted and not self.swapped:
+            prefills = self._schedule_prefills(budget, out)
+
+        self.running.extend(s.seq_group for s in decodes + prefills)
+        out.scheduled_seq_groups = prefills + decodes
+        out.num_prefill_groups = len(prefills)
+        out.num_batched_tokens = budget.num_batched_tokens
+        return out
+
+    def _schedule_running(
+        self, budget: SchedulingBudget, out: SchedulerOutputs
+    ) -> list[ScheduledSequenceGroup]:
+        """Give each running request a slot for its next token, preempting
+        the last-arrived requests when the cache runs out of blocks."""
+        decodes = []
+        running, self.running = self.running, deque()
+        while running:
+            seq_group = running.popleft()
+            while not self.block_manager.can_append_slots(seq_group):
+                # Preempt the lowest-priority request: the last to arrive.
+                victim = running.pop() if running else seq_group
+                self._preempt(victim, out)
+                if victim is seq_group:
+                    break
+            else:
+                for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                    out.blocks_to_copy += self.block_manager.append_slots(seq)
+                num_seqs = seq_group.num_seqs(SequenceStatus.RUNNING)
+                budget.add(num_seqs, num_seqs)
+                decodes.append(ScheduledSequenceGroup(seq_group, token_chunk_size=1))
+        return decodes
+
+    def _schedule_swapped(
+        self, budget: SchedulingBudget, out: SchedulerOutputs
+    ) -> list[ScheduledSequenceGroup]:
+        """Bring swapped requests back, oldest first, while they fit."""
+        decodes = []
+        while self.swapped:
+            seq_group = self.swapped[0]
+            status = self.block_manager.can_swap_in(seq_group)
+            if status == AllocStatus.LATER:
+                break
+            if status == AllocStatus.NEVER:
+                self.swapped.popleft()
+                self._ignore(seq_group, out, "its KV cache no longer fits the device pool")
+                continue
+            num_seqs = seq_group.num_seqs(SequenceStatus.SWAPPED)
+            if not budget.can_schedule(num_seqs, num_seqs):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.block_manager.swap_in(seq_group)
+            for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+                out.blocks_to_copy += self.block_manager.append_slots(seq)
+            budget.add(num_seqs, num_seqs)
+            decodes.append(ScheduledSequenceGroup(seq_group, token_chunk_size=1))
+        return decodes
+
+    def _schedule_prefills(
+        self, budget: SchedulingBudget, out: SchedulerOutputs
+    ) -> list[ScheduledSequenceGroup]:
+        """Admit waiting requests in arrival order while they fit."""
+        prefills = []
+        while self.waiting:
+            seq_group = self.waiting[0]
+            seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
+            num_new_tokens = seq.get_num_new_tokens()
+            status = self.block_manager.can_allocate(seq_group)
+            if status == AllocStatus.LATER:
+                break
+            if status == AllocStatus.NEVER:
+                self.waiting.popleft()
+                bm = self.block_manager
+                self._ignore(
+                    seq_group,
+                    out,
+                    f"its {seq.get_len()} tokens need {seq.n_blocks} blocks of "
+                    f"{bm.block_size} but the KV cache has {bm.num_total_gpu_blocks} blocks "
+                    f"({bm.watermark_blocks} kept free as watermark)",
+                )
+                continue
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if not budget.can_schedule(num_new_tokens, num_new_seqs):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq_group)
+            for s in seq_group.get_seqs(SequenceStatus.WAITING):
+                s.status = SequenceStatus.RUNNING
+            budget.add(num_new_tokens, num_new_seqs)
+            prefills.append(ScheduledSequenceGroup(seq_group, token_chunk_size=num_new_tokens))
+        return prefills
+
+    # -- preemption ----------------------------------------------------------
+
+    def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        mode = self.scheduler_config.preemption_mode
+        if mode is None:
+            # vLLM's default: recomputing is cheaper than a round trip over
+            # PCIe for one sequence, but n sequences would each recompute.
+            single = seq_group.get_max_num_running_seqs() == 1
+            mode = PreemptionMode.RECOMPUTE if single else PreemptionMode.SWAP
+        self.num_cumulative_preemption += 1
+        if self.num_cumulative_preemption % 50 == 1:
+            logger.warning(
+                "Request %s is preempted by %s because the KV cache is out of blocks "
+                "(total preemptions: %d). A larger cache (kv_cache_memory_bytes, "
+                "num_gpu_blocks_override) or a smaller max_num_seqs avoids this.",
+                seq_group.request_id,
+                mode.name,
+                self.num_cumulative_preemption,
+            )
+        if mode == PreemptionMode.RECOMPUTE:
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.WAITING
+                self.free_seq(seq)
+                seq.reset_state_for_recompute()
+            # Back to the front of the queue: it arrived before any waiting request.
+            self.waiting.appendleft(seq_group)
+        else:
+            if not self.block_manager.can_swap_out(seq_group):
+                raise RuntimeError(
+                    f"Cannot preempt request {seq_group.request_id} by SWAP: the CPU swap "
+                    f"pool has {self.block_manager.get_num_free_cpu_blocks()} free blocks. "
+                    "Increase swap_space (GiB) or use preemption_mode='recompute'."
+                )
+            out.blocks_to_swap_out += self.block_manager.swap_out(seq_group)
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self._insert_swapped(seq_group)
+        out.preempted.append((seq_group, mode))
+
+    def _insert_swapped(self, seq_group: SequenceGroup) -> None:
+        """Keep `swapped` in arrival order (victims are chosen latest first)."""
+        index = len(self.swapped)
+        while index > 0 and self.swapped[index - 1].arrival_time > seq_group.arrival_time:
+            index -= 1
+        self.swapped.insert(index, seq_group)
+
+    def _ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs, why: str) -> None:
+        logger.warning("Request %s is ignored: %s.", seq_group.request_id, why)
+        for seq in seq_group.get_unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_IGNORED
+            self.free_seq(seq)
+        out.ignored_seq_groups.append(seq_group)

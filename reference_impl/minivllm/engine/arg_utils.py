@@ -1,0 +1,91 @@
+"""`EngineArgs`: every engine option by its vLLM name, turned into configs.
+
+`LLM(**kwargs)` and `LLMEngine.from_engine_args` both go through here, so an
+option is spelled, defaulted and validated in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from minivllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    device: str = "auto"
+    # KV cache
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    swap_space: float = 4.0
+    num_gpu_blocks_override: int | None = None
+    # Scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    preemption_mode: str | None = None
+    # Accepted so vLLM code runs unchanged; only their single-device,
+    # eager values are possible here.
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+
+    @classmethod
+    def from_kwargs(cls, caller: str, **kwargs) -> EngineArgs:
+        """Like EngineArgs(**kwargs), but an unknown name is a clear error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"{caller} got unexpected keyword argument(s) {unknown}. "
+                f"Accepted engine arguments: {', '.join(sorted(names))}"
+            )
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        if self.model is None:
+            raise ValueError(
+                "model must be given: the path of a Hugging Face checkpoint directory "
+                "(config.json, *.safetensors, tokenizer files) or a hub id"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 (minivllm runs on one device), "
+                f"got {self.tensor_parallel_size}"
+            )
+        device_config = DeviceConfig(self.device)
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            trust_remote_code=self.trust_remote_code,
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            device=device_config.device,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            swap_space=self.swap_space,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=model_config.max_model_len,
+            preemption_mode=self.preemption_mode,
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config, device_config)

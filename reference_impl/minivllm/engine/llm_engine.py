@@ -1,0 +1,188 @@
+"""`LLMEngine`: the step loop that ties scheduler, worker and outputs together.
+
+`add_request` turns a prompt into a `SequenceGroup` in the scheduler's
+waiting queue. Each `step()` has three phases:
+
+1. schedule: the scheduler picks the batch and the block moves;
+2. execute: the worker moves blocks, runs the model and samples a token
+   for every scheduled sequence;
+3. process: new tokens are appended and detokenized, finished sequences
+   are detected (`StopChecker`) and their blocks freed, and a
+   `RequestOutput` is made for every request that took part.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from transformers import GenerationConfig
+
+from minivllm.config import EngineConfig
+from minivllm.core.scheduler import Scheduler, SchedulerOutputs
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.stop_checker import StopChecker
+from minivllm.model_executor.layers.sampler import SamplerOutput
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from minivllm.transformers_utils.tokenizer import get_tokenizer
+from minivllm.worker.worker import Worker
+
+PromptType = str | dict
+
+
+class LLMEngine:
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.cache_config = engine_config.cache_config
+        self.scheduler_config = engine_config.scheduler_config
+        self.tokenizer = get_tokenizer(
+            self.model_config.tokenizer, self.model_config.trust_remote_code
+        )
+        self.seq_counter = itertools.count()
+
+        self.worker = Worker(self.model_config, self.cache_config, engine_config.device_config)
+        self.worker.load_model()
+        num_gpu_blocks, num_cpu_blocks = self.worker.determine_num_available_blocks()
+        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.stop_checker = StopChecker(self.model_config.max_model_len, self._eos_token_ids())
+        # Requests aborted since the last step: their final outputs go out then.
+        self._aborted: list[SequenceGroup] = []
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def _eos_token_ids(self) -> set[int]:
+        """The tokenizer's EOS plus any the generation config adds (Llama 3
+        lists several), as Hugging Face `generate` stops on all of them."""
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            gen = GenerationConfig.from_pretrained(self.model_config.local_path)
+        except OSError:
+            gen = None
+        eos = getattr(gen, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+        return ids
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- requests ---------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. `prompt` is a string, or {"prompt_token_ids": [...]}
+        (optionally with "prompt", its text)."""
+        prompt_text, prompt_token_ids = self._process_prompt(prompt)
+        if not prompt_token_ids:
+            raise ValueError(f"Request {request_id!r}: the prompt is empty (0 tokens)")
+        max_len = self.model_config.max_model_len
+        if len(prompt_token_ids) > max_len:
+            raise ValueError(
+                f"Request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, "
+                f"longer than max_model_len={max_len}"
+            )
+        vocab = self.model_config.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"Request {request_id!r}: prompt token ids {bad[:5]} are outside the "
+                f"vocabulary [0, {vocab})"
+            )
+        if params.n > 1:
+            raise NotImplementedError("n > 1 (parallel sampling) is not implemented yet; use n=1")
+        block_size = self.cache_config.block_size
+        seqs = [
+            Sequence(next(self.seq_counter), prompt_text, prompt_token_ids, block_size)
+            for _ in range(params.n)
+        ]
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        self.scheduler.add_seq_group(SequenceGroup(request_id, seqs, params, arrival_time))
+
+    def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(
+            "prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), "
+            f"got {type(prompt).__name__}"
+        )
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Finish requests as aborted now, freeing their blocks; their final
+        outputs (finish_reason "abort") come out of the next `step()`."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            self._aborted += self.scheduler.abort_seq_group(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs() or bool(self._aborted)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    # -- the step loop ----------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        seq_group_metadata_list, scheduler_outputs = self.scheduler.schedule()
+        output = self.worker.execute_model(
+            seq_group_metadata_list,
+            scheduler_outputs.blocks_to_swap_in,
+            scheduler_outputs.blocks_to_swap_out,
+            scheduler_outputs.blocks_to_copy,
+        )
+        return self._process_model_outputs(output, scheduler_outputs)
+
+    def _process_model_outputs(
+        self, output: SamplerOutput, scheduler_outputs: SchedulerOutputs
+    ) -> list[RequestOutput]:
+        now = time.time()
+        scheduled = scheduler_outputs.scheduled_seq_groups
+        for scheduled_group, group_output in zip(scheduled, output, strict=True):
+            seq_group = scheduled_group.seq_group
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                seq.data.update_num_computed_tokens(scheduled_group.token_chunk_size)
+            for sample in group_output.samples:
+                seq = seq_group.seqs_dict[sample.parent_seq_id]
+                seq.append_token_id(sample.output_token, sample.logprob)
+                self._decode(seq, seq_group.sampling_params)
+                self.stop_checker.maybe_stop_sequence(seq, seq_group.sampling_params)
+                if seq.is_finished():
+                    self.scheduler.free_seq(seq)
+            seq_group.maybe_set_first_token_time(now)
+            seq_group.metrics.last_token_time = now
+        self.scheduler.free_finished_seq_groups()
+
+        finished_now = [s.seq_group for s in scheduled] + scheduler_outputs.ignored_seq_groups
+        finished_now += self._aborted
+        self._aborted = []
+        for seq_group in finished_now:
+            if seq_group.is_finished() and seq_group.metrics.finished_time is None:
+                seq_group.metrics.finished_time = now
+        return [RequestOutput.from_seq_group(sg) for sg in finished_now]
+
+    def _decode(self, seq: Sequence, params: SamplingParams) -> None:
+        """Refresh the sequence's text from all its output tokens.
+
+        Decoding the whole output every step (rather than only the new
+        token) keeps multi-byte characters that span tokens correct.
+        """
+        seq.output_text = self.tokenizer.decode(
+            seq.get_output_token_ids(), skip_special_tokens=params.skip_special_tokens
+        )

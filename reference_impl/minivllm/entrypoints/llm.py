@@ -1,0 +1,81 @@
+"""`LLM`: the offline batch interface, `from minivllm import LLM`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Loads a model once, then `generate` runs batches of prompts to the end.
+
+    Keyword arguments are engine options by their vLLM names (`block_size`,
+    `max_num_seqs`, `swap_space`, `gpu_memory_utilization`, ...): see
+    `EngineArgs`.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        engine_args = EngineArgs.from_kwargs("LLM()", model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | PromptType | Sequence[str | PromptType | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of
+            strings, dicts or token-id lists.
+        sampling_params: one for all prompts, or one per prompt.
+        """
+        prompt_list = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are "
+                    f"{len(prompt_list)} prompts: pass one SamplingParams or one per prompt"
+                )
+        request_ids = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = str(next(self.request_counter))
+            self.llm_engine.add_request(request_id, prompt, params)
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    @staticmethod
+    def _normalize_prompts(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompt_list = []
+        for p in prompts:
+            is_ids = isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p)
+            prompt_list.append({"prompt_token_ids": list(p)} if is_ids else p)
+        return prompt_list
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[rid] for rid in request_ids]

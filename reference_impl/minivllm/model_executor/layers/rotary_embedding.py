@@ -1,0 +1,79 @@
+"""Rotary position embedding (RoPE), as Llama-family models use it.
+
+Each pair of dimensions (i, i + head_size/2) of q and k is rotated by the
+angle position * inv_freq[i] ("neox" layout, Hugging Face's rotate_half).
+cos and sin for every position are computed once, in float32, and rounded to
+the activations' dtype when applied, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's long-context rescaling: slow (long-wavelength) frequencies
+    are divided by `factor`, fast ones are kept, and the band between is
+    interpolated smoothly."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen) - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    in_band = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(in_band, interpolated, out)
+
+
+def rope_parameters(config: PretrainedConfig) -> tuple[float, dict]:
+    """(theta, scaling dict) from a config of either transformers 4 or 5 style."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return float(params.get("rope_theta", 10000.0)), dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    return float(getattr(config, "rope_theta", 10000.0)), scaling
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, max_position: int, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.head_size = head_size
+        base, scaling = rope_parameters(config)
+        rope_type = scaling.get("rope_type", "default")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
+        positions = torch.arange(max_position, dtype=torch.float32)
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "linear":
+            positions = positions / scaling["factor"]
+        elif rope_type != "default":
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported; supported: default, linear, llama3"
+            )
+        freqs = torch.outer(positions, inv_freq)  # [max_position, head_size / 2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions][:, None, :]  # [num_tokens, 1, head_size / 2]
+        sin = self.sin_cache[positions][:, None, :]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        x = x.view(num_tokens, -1, self.head_size)  # [num_tokens, heads, head_size]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotated.view(num_tokens, -1)

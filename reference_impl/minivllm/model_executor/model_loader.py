@@ -1,0 +1,25 @@
+"""`get_model`: build our module for a checkpoint and load its weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.model_executor.models import get_model_class
+from minivllm.model_executor.weight_utils import safetensors_weights_iterator
+
+
+def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    model_class = get_model_class(model_config.architecture)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        # Parameters are created directly on the device in the model dtype;
+        # buffers made with an explicit dtype (RoPE's cos/sin) stay float32.
+        with torch.device(device):
+            model = model_class(model_config.hf_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.load_weights(safetensors_weights_iterator(model_config.local_path))
+    return model.eval()

@@ -1,0 +1,97 @@
+"""Finding a checkpoint and streaming its tensors into a model."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors.torch import safe_open
+from torch import nn
+
+
+def resolve_model_path(model: str) -> str:
+    """A local checkpoint directory, or a hub id downloaded to the HF cache.
+
+    Raises a `FileNotFoundError` that names the path and what was looked for.
+    """
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise FileNotFoundError(
+                f"Model directory {model!r} has no config.json: expected a Hugging Face "
+                "checkpoint (config.json, *.safetensors, tokenizer files)."
+            )
+        return model
+    looks_like_hub_id = model.count("/") <= 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(
+                model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
+            )
+        except Exception as e:  # offline, unknown id, gated repo ...
+            raise FileNotFoundError(
+                f"Model {model!r} is not a local directory and could not be fetched as a "
+                f"Hugging Face hub id ({type(e).__name__}: {e}). Pass the path of a "
+                "checkpoint directory holding config.json and *.safetensors."
+            ) from e
+    raise FileNotFoundError(
+        f"Model path {model!r} does not exist: expected a directory holding config.json "
+        "and *.safetensors weights."
+    )
+
+
+def safetensors_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of every *.safetensors file."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"No *.safetensors weight files in {path!r}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params_mapping: list[tuple[str, str, str]] = (),
+) -> None:
+    """Copy checkpoint tensors into the model's parameters, by name.
+
+    A checkpoint part listed in `stacked_params_mapping` goes into its rows
+    of a fused `MergedLinear`. Every parameter must be loaded exactly once,
+    except an output head tied to the input embedding.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue  # derived from the config, not a weight
+        for fused, part, shard_id in stacked_params_mapping:
+            if f".{part}." in name:
+                name = name.replace(f".{part}.", f".{fused}.")
+                layer = model.get_submodule(name.rsplit(".", 1)[0])
+                layer.weight_loader(params[name], tensor, shard_id)
+                loaded.add(name)
+                break
+        else:
+            if name not in params:
+                if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+                    continue  # some checkpoints store the tied head anyway
+                raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(name)
+    # A tied parameter appears under two names; loading either loads both.
+    loaded_ids = {id(params[n]) for n in loaded}
+    missing = [n for n, p in params.items() if id(p) not in loaded_ids]
+    if missing:
+        raise ValueError(f"Checkpoint is missing weights: {sorted(missing)[:8]}")

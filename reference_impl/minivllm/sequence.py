@@ -1,0 +1,277 @@
+"""Sequences and sequence groups: the engine's record of every request.
+
+A request becomes a `SequenceGroup` holding 1..n `Sequence`s that share a
+prompt. Each `Sequence` owns its token ids (`SequenceData`) and a status;
+its KV cache lives in blocks that the `BlockSpaceManager` maps by `seq_id`.
+`SequenceGroupMetadata` is the slice of that state the scheduler hands the
+worker for one step.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """A sequence's place in its lifecycle. Finished states come last."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @staticmethod
+    def is_finished(status: SequenceStatus) -> bool:
+        return status >= SequenceStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def get_finished_reason(status: SequenceStatus) -> str | None:
+        return {
+            SequenceStatus.FINISHED_STOPPED: "stop",
+            SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+            SequenceStatus.FINISHED_ABORTED: "abort",
+            # An ignored prompt could not fit: vLLM reports it as "length".
+            SequenceStatus.FINISHED_IGNORED: "length",
+        }.get(status)
+
+
+class SequenceStage(enum.Enum):
+    """PREFILL until every token so far has its KV in the cache, then DECODE."""
+
+    PREFILL = enum.auto()
+    DECODE = enum.auto()
+
+
+@dataclass
+class SequenceData:
+    """Token ids of one sequence and how many of them have KV in the cache."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_computed_tokens: int = 0
+    stage: SequenceStage = SequenceStage.PREFILL
+
+    def append_token_id(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        if self.output_token_ids:
+            return self.output_token_ids[-1]
+        return self.prompt_token_ids[-1]
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self.num_computed_tokens
+
+    def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
+        self.num_computed_tokens += num_new_computed_tokens
+        assert self.num_computed_tokens <= self.get_len()
+        if self.get_num_uncomputed_tokens() == 0:
+            self.stage = SequenceStage.DECODE
+
+    def reset_state_for_recompute(self) -> None:
+        """Forget the cache: prompt and outputs will be prefilled again."""
+        self.num_computed_tokens = 0
+        self.stage = SequenceStage.PREFILL
+
+
+class Sequence:
+    """One token stream: the prompt plus what has been generated so far."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        block_size: int,
+    ) -> None:
+        self.seq_id = seq_id
+        self.prompt = prompt
+        self.block_size = block_size
+        self.data = SequenceData(list(prompt_token_ids))
+        self.output_text = ""
+        self.status = SequenceStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+    @property
+    def n_blocks(self) -> int:
+        """Logical blocks needed to hold every token so far."""
+        return math.ceil(self.get_len() / self.block_size)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.data.prompt_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return SequenceStatus.get_finished_reason(self.status)
+
+    def append_token_id(self, token_id: int, logprob: float) -> None:
+        self.data.append_token_id(token_id, logprob)
+
+    def get_len(self) -> int:
+        return self.data.get_len()
+
+    def get_prompt_len(self) -> int:
+        return len(self.data.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.data.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.data.get_token_ids()
+
+    def get_last_token_id(self) -> int:
+        return self.data.get_last_token_id()
+
+    def get_output_token_ids(self) -> list[int]:
+        return self.data.output_token_ids
+
+    def get_cumulative_logprob(self) -> float:
+        return self.data.cumulative_logprob
+
+    def get_num_new_tokens(self) -> int:
+        """Tokens this sequence feeds the model next step: all uncomputed ones."""
+        return self.data.get_num_uncomputed_tokens()
+
+    def is_prefill(self) -> bool:
+        return self.data.stage == SequenceStage.PREFILL
+
+    def is_finished(self) -> bool:
+        return SequenceStatus.is_finished(self.status)
+
+    def reset_state_for_recompute(self) -> None:
+        self.data.reset_state_for_recompute()
+
+    def __repr__(self) -> str:
+        return f"Sequence(seq_id={self.seq_id}, status={self.status.name}, len={self.get_len()})"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+
+
+class SequenceGroup:
+    """One request: its sequences, sampling parameters and timing."""
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.seqs = seqs
+        self.seqs_dict = {seq.seq_id: seq for seq in seqs}
+        self.sampling_params = sampling_params
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # A seeded request draws from its own generator, so its tokens do
+        # not depend on the other requests in the batch.
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def prompt(self) -> str | None:
+        return self.seqs[0].prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [seq for seq in self.seqs if seq.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished()]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        return len(self.get_seqs(status))
+
+    def get_max_num_running_seqs(self) -> int:
+        """The most sequences this group can have running at once from now on."""
+        return len(self.get_unfinished_seqs())
+
+    def is_prefill(self) -> bool:
+        return self.seqs[0].is_prefill()
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs)
+
+    def maybe_set_first_scheduled_time(self, now: float) -> None:
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = now
+            self.metrics.time_in_queue = now - self.metrics.arrival_time
+
+    def maybe_set_first_token_time(self, now: float) -> None:
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id}, num_seqs={len(self.seqs)})"
+
+
+@dataclass
+class SequenceGroupMetadata:
+    """What the worker needs to run one group for one step.
+
+    is_prompt: this group is prefilling (several tokens per sequence).
+    seq_data: seq_id -> its SequenceData (token ids, num_computed_tokens).
+    block_tables: seq_id -> physical block numbers, in logical order.
+    token_chunk_size: tokens each sequence computes this step.
+    """
+
+    request_id: str
+    is_prompt: bool
+    seq_data: dict[int, SequenceData]
+    sampling_params: SamplingParams
+    block_tables: dict[int, list[int]]
+    token_chunk_size: int
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SequenceOutput:
+    """The token sampled for one sequence, and its log-probability."""
+
+    parent_seq_id: int
+    output_token: int
+    logprob: float
+
+
+@dataclass
+class CompletionSequenceGroupOutput:
+    """The samples of one sequence group in one step."""
+
+    samples: list[SequenceOutput]

@@ -1,0 +1,126 @@
+"""`ModelRunner`: turns the scheduled groups into tensors and runs the model.
+
+One step's batch is flattened: every scheduled sequence contributes its new
+tokens (its whole uncomputed prompt when prefilling, one token when
+decoding), prefills first. For each token we build its `input_ids`,
+`positions` and `slot_mapping` (where its K/V go); per sequence its
+`seq_lens`, `context_lens` and block table. Only the last token of each
+sequence has its logits computed and sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.attention import AttentionMetadata
+from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
+from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
+from minivllm.model_executor.model_loader import get_model
+from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
+from minivllm.sequence import SequenceGroupMetadata
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    sampling_metadata: SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig
+    ) -> None:
+        self.model_config = model_config
+        self.block_size = cache_config.block_size
+        self.device = device_config.torch_device
+        self.sampler = Sampler(seed=model_config.seed)
+        self.model: torch.nn.Module | None = None
+
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config, self.device)
+
+    def prepare_model_input(
+        self, seq_group_metadata_list: list[SequenceGroupMetadata]
+    ) -> ModelInput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        seq_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        query_start_loc = [0]
+        selected: list[int] = []
+        seq_groups: list[SequenceGroupToSample] = []
+        num_prefills = num_prefill_tokens = 0
+
+        for meta in seq_group_metadata_list:
+            seq_ids = list(meta.seq_data)
+            for seq_id in seq_ids:
+                data = meta.seq_data[seq_id]
+                context_len = data.num_computed_tokens
+                seq_len = context_len + meta.token_chunk_size
+                block_table = meta.block_tables[seq_id]
+                new_positions = range(context_len, seq_len)
+                input_ids += data.get_token_ids()[context_len:seq_len]
+                positions += new_positions
+                slot_mapping += [
+                    block_table[p // self.block_size] * self.block_size + p % self.block_size
+                    for p in new_positions
+                ]
+                seq_lens.append(seq_len)
+                context_lens.append(context_len)
+                block_tables.append(block_table)
+                selected.append(len(input_ids) - 1)
+                if meta.is_prompt:
+                    num_prefills += 1
+                    num_prefill_tokens += meta.token_chunk_size
+                    query_start_loc.append(len(input_ids))
+            seq_groups.append(
+                SequenceGroupToSample(seq_ids, meta.sampling_params, meta.generator, meta.is_prompt)
+            )
+
+        max_blocks = max(len(t) for t in block_tables)
+        padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+
+        def as_tensor(values, dtype=torch.long) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        attn_metadata = AttentionMetadata(
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=len(input_ids) - num_prefill_tokens,
+            slot_mapping=as_tensor(slot_mapping),
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            query_start_loc=query_start_loc,
+            block_tables=as_tensor(padded_tables),
+            seq_lens_tensor=as_tensor(seq_lens),
+        )
+        return ModelInput(
+            input_ids=as_tensor(input_ids),
+            positions=as_tensor(positions),
+            attn_metadata=attn_metadata,
+            sampling_metadata=SamplingMetadata(seq_groups, as_tensor(selected)),
+        )
+
+    @torch.inference_mode()
+    def execute_model(
+        self,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+        kv_caches: list[torch.Tensor],
+    ) -> SamplerOutput:
+        model_input = self.prepare_model_input(seq_group_metadata_list)
+        hidden_states = self.model(
+            model_input.input_ids,
+            model_input.positions,
+            kv_caches,
+            model_input.attn_metadata,
+        )  # [num_tokens, hidden_size]
+        # Only the last token of each sequence needs logits.
+        hidden_states = hidden_states[model_input.sampling_metadata.selected_token_indices]
+        logits = self.model.compute_logits(hidden_states)  # [num_seqs, vocab_size]
+        return self.sampler(logits, model_input.sampling_metadata)

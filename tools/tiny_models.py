@@ -1,0 +1,112 @@
+"""Tiny randomly initialised Hugging Face checkpoints, made in-process.
+
+Model hubs are unreachable on our machines, so tests (and, until the
+shipped model exists, the demo) build a small checkpoint with transformers,
+`save_pretrained` it to a directory and load it through the engine's real
+loading path. A byte-level BPE tokenizer is trained on a few sentences.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+_CORPUS = [
+    "Once upon a time there was a little dog who lived by the sea.",
+    "The capital of France is Paris, and the capital of Italy is Rome.",
+    "Hello, my name is Ada and I like to read books about engines.",
+    "Paged attention stores the keys and values of every token in blocks.",
+    "The scheduler picks which requests run in the next step of the engine.",
+    "A quick brown fox jumps over the lazy dog while the cat sleeps.",
+]
+BOS, EOS = "<s>", "</s>"
+
+
+def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (every string encodes) with BOS id 0 and EOS id 1."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+
+
+def _config(arch: str, vocab_size: int, **overrides):
+    common = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1)
+    if arch in ("llama", "qwen2", "mistral"):
+        cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+        cfg = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,  # grouped-query attention
+            max_position_embeddings=512,
+            initializer_range=0.05,
+            tie_word_embeddings=False,
+        )
+        if arch == "mistral":
+            cfg["sliding_window"] = None
+    elif arch == "opt":
+        cls = OPTConfig
+        cfg = dict(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            word_embed_proj_dim=64,
+            init_std=0.05,
+            pad_token_id=1,
+        )
+    elif arch == "gpt2":
+        cls = GPT2Config
+        cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.05)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}")
+    cfg.update(common)
+    cfg.update(overrides)
+    return cls(**cfg)
+
+
+_MODEL_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "mistral": MistralForCausalLM,
+    "opt": OPTForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
+ARCHS = tuple(_MODEL_CLASSES)
+
+
+def make_tiny_model(arch: str, path: str, seed: int = 0, **config_overrides) -> str:
+    """Save a random `arch` checkpoint with its tokenizer to `path`; returns it."""
+    tokenizer = build_tokenizer()
+    config = _config(arch, len(tokenizer), **config_overrides)
+    torch.manual_seed(seed)
+    model = _MODEL_CLASSES[arch](config).eval()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
