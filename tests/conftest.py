@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random checkpoints, saved once per test session and
+loaded through the engine's real loading path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tools.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(arch) -> path of a saved tiny checkpoint (made once)."""
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = make_tiny_model(arch, str(tmp_path_factory.mktemp(f"tiny-{arch}")))
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    """hf_model(arch) -> the same checkpoint as a Hugging Face model (the oracle)."""
+    loaded: dict[str, torch.nn.Module] = {}
+
+    def get(arch: str):
+        if arch not in loaded:
+            loaded[arch] = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch)).eval()
+        return loaded[arch]
+
+    return get
