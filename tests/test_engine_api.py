@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.sequence import SequenceStatus
 

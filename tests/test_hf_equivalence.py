@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from minivllm import LLM, SamplingParams
+
 from tools.tiny_models import ARCHS
 
 # Around the block boundaries of block_size 16 and 8.
@@ -51,7 +51,7 @@ def assert_matches_hf(hf, prompts, outputs) -> None:
     for prompt, output in zip(prompts, outputs, strict=True):
         ours = output.outputs[0].token_ids
         ref, gaps = hf_greedy(hf, prompt)
-        diverge = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        diverge = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
         if diverge is None:
             assert len(ours) == len(ref), f"prompt of {len(prompt)}: {ours} vs HF {ref}"
         else:

@@ -16,6 +16,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minivllm import LLM, SamplingParams  # noqa: E402
+
 from tools.tiny_models import make_tiny_model  # noqa: E402
 
 
@@ -40,9 +41,8 @@ def main() -> None:
         for out in llm.generate(prompts, params):
             completion = out.outputs[0]
             print(f"{out.prompt!r} -> {completion.text!r}")
-            print(
-                f"    token_ids={completion.token_ids[:12]}...  finish_reason={completion.finish_reason}"
-            )
+            ids = completion.token_ids[:12]
+            print(f"    token_ids={ids}...  finish_reason={completion.finish_reason}")
         print()
 
     engine = llm.llm_engine

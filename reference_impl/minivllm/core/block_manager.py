@@ -84,8 +84,8 @@ class BlockSpaceManager:
     """Maps sequences to physical blocks in the device and CPU pools.
 
     `watermark` (a fraction of the device pool) is kept free when admitting
-    new prompts or swapping in, so that running sequences can still grow by
-    a block without an immediate preemption.
+    new prompts, so that running sequences can still grow by a block without
+    an immediate preemption.
     """
 
     def __init__(
@@ -108,14 +108,20 @@ class BlockSpaceManager:
 
     # -- admitting a prompt ------------------------------------------------
 
-    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
-        num_required = seq.n_blocks
-        if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
+    def _can_fit(self, num_required: int, is_new: bool) -> AllocStatus:
+        """The watermark holds back fresh prompts only. A preempted request
+        has already generated tokens: refusing it (NEVER) would throw that
+        work away, so it may use the watermark blocks."""
+        watermark = self.watermark_blocks if is_new else 0
+        if self.num_total_gpu_blocks - num_required < watermark:
             return AllocStatus.NEVER
-        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
+        if self.gpu_allocator.get_num_free_blocks() - num_required >= watermark:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
+        return self._can_fit(seq.n_blocks, is_new=seq.get_output_len() == 0)
 
     def allocate(self, seq_group: SequenceGroup) -> None:
         """Give the waiting sequences blocks for every token they have.
@@ -180,11 +186,7 @@ class BlockSpaceManager:
         blocks = self._unique_blocks(seq_group, SequenceStatus.SWAPPED)
         # One more block per sequence: its next decode token may open a block.
         num_required = len(blocks) + seq_group.num_seqs(SequenceStatus.SWAPPED)
-        if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
-            return AllocStatus.NEVER
-        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
+        return self._can_fit(num_required, is_new=False)
 
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's blocks CPU -> device; returns (cpu, gpu) block pairs."""
