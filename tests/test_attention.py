@@ -37,7 +37,10 @@ def test_mixed_batch_matches_dense(block_size):
     seqs = [(0, 9), (5, 7), (0, 1), (12, 1), (block_size * 3 - 1, 1), (30, 1)]
     num_prefills = 3
     num_blocks = 128
-    kv_cache = torch.zeros(get_kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE))
+    # Unwritten slots hold NaN, like stale memory: attention must never let them in.
+    kv_cache = torch.full(
+        get_kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE), float("nan")
+    )
     free = torch.randperm(num_blocks, generator=g).tolist()
 
     full_k, full_v, queries, block_tables, new_slots, expected = [], [], [], [], [], []

@@ -19,6 +19,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 TIE_MARGIN = 1e-4
 
 
+def poison_kv_cache(llm: LLM) -> None:
+    """Fill both block pools with NaN: a read of any slot not written this
+    run (a stale or padding slot) would turn the output into NaN."""
+    cache_engine = llm.llm_engine.worker.cache_engine
+    for layer in cache_engine.gpu_cache + cache_engine.cpu_cache:
+        layer.fill_(float("nan"))
+
+
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -65,7 +73,8 @@ def assert_matches_hf(hf, prompts, outputs) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_greedy_matches_hf(arch, tiny_model_dir, hf_model):
-    llm = LLM(tiny_model_dir(arch))
+    llm = LLM(tiny_model_dir(arch), num_gpu_blocks_override=64, swap_space=0.01)
+    poison_kv_cache(llm)
     prompts = make_prompts(llm.llm_engine.model_config.hf_config.vocab_size)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(hf_model(arch), prompts, outputs)
@@ -93,6 +102,7 @@ def test_preemption_matches_hf(arch, mode, tiny_model_dir, hf_model, monkeypatch
         swap_space=0.01,
         preemption_mode=mode,
     )
+    poison_kv_cache(llm)
     engine = llm.llm_engine
     moved = {"swap_in": 0, "swap_out": 0}
     for name in moved:

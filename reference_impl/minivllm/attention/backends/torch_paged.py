@@ -96,5 +96,8 @@ class TorchPagedAttention:
         beyond = k_pos[None, :] >= seq_lens[:, None]  # [B, max_len]
         scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bkgs,bskd->bkgd", probs, values.float())
+        # Slots past a sequence's end hold stale data, possibly NaN, and
+        # 0 * NaN is NaN: zero them rather than trust the zero weight.
+        values = values.float().masked_fill(beyond[:, :, None, None], 0.0)
+        out = torch.einsum("bkgs,bskd->bkgd", probs, values)
         return out.reshape(b, self.num_heads, self.head_size).to(query.dtype)
