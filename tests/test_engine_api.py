@@ -206,6 +206,8 @@ def test_bad_prompts_leave_submitted_requests_intact(llm):
         ValueError, match=f"prompt has {max_len + 1} tokens, longer than max_model_len={max_len}"
     ):
         engine.add_request("long", {"prompt_token_ids": [5] * (max_len + 1)}, params)
+    with pytest.raises(ValueError, match="Request id 'good' is already in use"):
+        engine.add_request("good", {"prompt_token_ids": [4, 5]}, params)
     with pytest.raises(ValueError, match="the prompt is empty"):
         engine.add_request("empty", {"prompt_token_ids": []}, params)
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 384\)"):
@@ -215,6 +217,9 @@ def test_bad_prompts_leave_submitted_requests_intact(llm):
         outputs += engine.step()
     assert {o.request_id for o in outputs} == {"good"}
     assert outputs[-1].outputs[0].token_ids == expected
+    engine.add_request("good", {"prompt_token_ids": [4, 5]}, params)  # finished: id is free
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_missing_model_path_says_what_it_looked_for(tmp_path):

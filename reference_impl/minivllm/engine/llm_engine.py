@@ -52,6 +52,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.model_config.max_model_len, self._eos_token_ids())
         # Requests aborted since the last step: their final outputs go out then.
         self._aborted: list[SequenceGroup] = []
+        self._live_request_ids: set[str] = set()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -86,6 +87,10 @@ class LLMEngine:
     ) -> None:
         """Queue a request. `prompt` is a string, or {"prompt_token_ids": [...]}
         (optionally with "prompt", its text)."""
+        if request_id in self._live_request_ids:
+            raise ValueError(
+                f"Request id {request_id!r} is already in use by an unfinished request"
+            )
         prompt_text, prompt_token_ids = self._process_prompt(prompt)
         if not prompt_token_ids:
             raise ValueError(f"Request {request_id!r}: the prompt is empty (0 tokens)")
@@ -111,6 +116,7 @@ class LLMEngine:
         ]
         arrival_time = time.time() if arrival_time is None else arrival_time
         self.scheduler.add_seq_group(SequenceGroup(request_id, seqs, params, arrival_time))
+        self._live_request_ids.add(request_id)
 
     def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -175,6 +181,7 @@ class LLMEngine:
         for seq_group in finished_now:
             if seq_group.is_finished() and seq_group.metrics.finished_time is None:
                 seq_group.metrics.finished_time = now
+                self._live_request_ids.discard(seq_group.request_id)
         return [RequestOutput.from_seq_group(sg) for sg in finished_now]
 
     def _decode(self, seq: Sequence, params: SamplingParams) -> None:
