@@ -541,7 +541,8 @@ def test_abort_from_waiting_running_and_swapped_frees_blocks():
     assert bm.block_tables == {}
     assert not sched.has_unfinished_seqs()
     _, out = sched.schedule()
-    assert out.is_empty()
+    assert out.scheduled_seq_groups == [] and out.num_batched_tokens == 0
+    assert (out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy) == ([], [], [])
 
 
 # -- the watermark never throws away a preempted request's work ---------------------

@@ -68,14 +68,6 @@ class SchedulerOutputs:
     ignored_seq_groups: list[SequenceGroup]
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
 
-    def is_empty(self) -> bool:
-        return (
-            not self.scheduled_seq_groups
-            and not self.blocks_to_swap_in
-            and not self.blocks_to_swap_out
-            and not self.blocks_to_copy
-        )
-
 
 @dataclass
 class SchedulingBudget:

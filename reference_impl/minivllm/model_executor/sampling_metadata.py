@@ -17,7 +17,6 @@ class SequenceGroupToSample:
     seq_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    is_prompt: bool
 
 
 @dataclass

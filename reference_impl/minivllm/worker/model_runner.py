@@ -79,9 +79,7 @@ class ModelRunner:
                     num_prefills += 1
                     num_prefill_tokens += meta.token_chunk_size
                     query_start_loc.append(len(input_ids))
-            seq_groups.append(
-                SequenceGroupToSample(seq_ids, meta.sampling_params, meta.generator, meta.is_prompt)
-            )
+            seq_groups.append(SequenceGroupToSample(seq_ids, meta.sampling_params, meta.generator))
 
         max_blocks = max(len(t) for t in block_tables)
         padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]

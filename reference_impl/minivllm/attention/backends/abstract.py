@@ -38,7 +38,3 @@ class AttentionMetadata:
     query_start_loc: list[int]
     block_tables: torch.Tensor
     seq_lens_tensor: torch.Tensor
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
