@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from minivllm.attention import Attention, AttentionMetadata
 from minivllm.attention.kv_cache import get_kv_cache_shape, write_to_kv_cache
 

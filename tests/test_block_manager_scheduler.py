@@ -13,6 +13,7 @@ N-1, and a freed block is the next one handed out (last freed, first reused).
 from __future__ import annotations
 
 import pytest
+
 from minivllm.config import CacheConfig, PreemptionMode, SchedulerConfig
 from minivllm.core.block_manager import (
     AllocStatus,

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.sequence import SequenceStatus
 

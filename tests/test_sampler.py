@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
 from minivllm import LLM, SamplingParams
 from minivllm.model_executor.layers.sampler import Sampler, apply_top_k_top_p
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 
 @pytest.mark.parametrize("top_k", [-1, 1, 5, 40])

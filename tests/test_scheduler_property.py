@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+
 from minivllm.config import CacheConfig, PreemptionMode, SchedulerConfig
 from minivllm.core.block_manager import Device
 from minivllm.core.scheduler import Scheduler, SchedulerOutputs

@@ -16,7 +16,6 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-
 from tools.tiny_models import make_tiny_model  # noqa: E402
 
 

@@ -157,6 +157,7 @@ class CacheConfig:
     `kv_cache_memory_bytes` if set, otherwise 1 GiB on the CPU and
     `gpu_memory_utilization` of the GPU. `swap_space` (GiB, as in vLLM)
     sizes the CPU pool that SWAP preemption moves blocks into.
+    `enable_prefix_caching` lets requests share the blocks of a common prefix.
     """
 
     block_size: int = 16
@@ -164,6 +165,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4.0
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)
 
@@ -204,25 +206,32 @@ class SchedulerConfig:
 
     `max_num_batched_tokens` bounds the tokens of one forward pass (prefill
     tokens plus one per decode); without chunked prefill it must hold a whole
-    prompt of `max_model_len` tokens. `preemption_mode=None` follows vLLM:
-    RECOMPUTE for single-sequence requests, SWAP for several sequences.
+    prompt of `max_model_len` tokens. With `enable_chunked_prefill`, long
+    prompts are split across steps to fit it (default 512, as in vLLM).
+    `preemption_mode=None` follows vLLM: RECOMPUTE for single-sequence
+    requests, SWAP for several sequences.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int = 2048
     preemption_mode: PreemptionMode | str | None = None
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_model_len, 2048)
-        if self.max_num_batched_tokens < self.max_model_len:
+            if self.enable_chunked_prefill:
+                self.max_num_batched_tokens = max(512, self.max_num_seqs)
+            else:
+                self.max_num_batched_tokens = max(self.max_model_len, 2048)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.max_model_len}): a prompt of max_model_len tokens "
-                "could never be scheduled. Raise max_num_batched_tokens or lower max_model_len."
+                "could never be scheduled. Raise max_num_batched_tokens, lower max_model_len "
+                "or set enable_chunked_prefill=True."
             )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(

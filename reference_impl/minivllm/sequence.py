@@ -250,6 +250,8 @@ class SequenceGroupMetadata:
     seq_data: seq_id -> its SequenceData (token ids, num_computed_tokens).
     block_tables: seq_id -> physical block numbers, in logical order.
     token_chunk_size: tokens each sequence computes this step.
+    do_sample: whether this step samples a token: false for the chunks of a
+        chunked prefill that do not finish the prompt.
     """
 
     request_id: str
@@ -258,6 +260,7 @@ class SequenceGroupMetadata:
     sampling_params: SamplingParams
     block_tables: dict[int, list[int]]
     token_chunk_size: int
+    do_sample: bool = True
     generator: torch.Generator | None = None
 
 

@@ -13,6 +13,11 @@ its token i lives in slot block_table[i // block_size] * block_size
 + i % block_size. Slot -1 means "padding, write nothing".
 
 Swapping and copy-on-write move whole blocks: kv_cache[:, block_number].
+
+Ordering rule for every backend: in each layer, the new K/V of the *whole
+batch* are written before any attention reads the cache. With prefix
+caching, a request may read blocks that another request of the same batch is
+writing in that very step.
 """
 
 from __future__ import annotations

@@ -15,58 +15,10 @@ Nothing here touches tensors: the manager only decides, and returns the
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
+from minivllm.core.block_allocator import BlockAllocator, Device, PhysicalTokenBlock
+from minivllm.core.prefix_caching import CachedBlockAllocator, hash_block_tokens
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-class Device(enum.Enum):
-    GPU = "gpu"
-    CPU = "cpu"
-
-
-@dataclass(eq=False)
-class PhysicalTokenBlock:
-    """One block of the cache; `ref_count` is how many sequences map it."""
-
-    device: Device
-    block_number: int
-    block_size: int
-    ref_count: int = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"PhysicalTokenBlock({self.device.value}, #{self.block_number}, ref={self.ref_count})"
-        )
-
-
-class BlockAllocator:
-    """A free list of the blocks of one device's pool."""
-
-    def __init__(self, device: Device, block_size: int, num_blocks: int) -> None:
-        self.device = device
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        # Free block numbers, popped from the end so block 0 goes first. A
-        # pool can hold millions of blocks: the block objects are made only
-        # when handed out.
-        self.free_block_numbers = list(reversed(range(num_blocks)))
-
-    def allocate(self) -> PhysicalTokenBlock:
-        if not self.free_block_numbers:
-            raise ValueError(f"Out of memory: no free {self.device.value} blocks")
-        number = self.free_block_numbers.pop()
-        return PhysicalTokenBlock(self.device, number, self.block_size, ref_count=1)
-
-    def free(self, block: PhysicalTokenBlock) -> None:
-        if block.ref_count == 0:
-            raise ValueError(f"Double free of {block}")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_block_numbers.append(block.block_number)
-
-    def get_num_free_blocks(self) -> int:
-        return len(self.free_block_numbers)
 
 
 class AllocStatus(enum.Enum):
@@ -86,6 +38,10 @@ class BlockSpaceManager:
     `watermark` (a fraction of the device pool) is kept free when admitting
     new prompts, so that running sequences can still grow by a block without
     an immediate preemption.
+
+    With `enable_caching` (prefix caching), a new sequence reuses the cached
+    blocks of its longest cached prefix, and full computed blocks are kept
+    findable by content after they are freed (see core/prefix_caching.py).
     """
 
     def __init__(
@@ -94,6 +50,7 @@ class BlockSpaceManager:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         watermark: float = 0.01,
+        enable_caching: bool = False,
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
@@ -101,7 +58,12 @@ class BlockSpaceManager:
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks)
+        self.enable_caching = enable_caching
+        gpu_allocator_cls = CachedBlockAllocator if enable_caching else BlockAllocator
+        self.gpu_allocator = gpu_allocator_cls(Device.GPU, block_size, num_gpu_blocks)
+        # Prefix-cache counters, in blocks: looked up at admission, and found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
         # seq_id -> its blocks, in logical order.
         self.block_tables: dict[int, BlockTable] = {}
@@ -119,24 +81,93 @@ class BlockSpaceManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
+    def _num_cacheable_blocks(self, seq: Sequence) -> int:
+        """Leading full blocks that may come from the cache. Never all of the
+        sequence: the block holding its last token is always computed, since
+        that token's logits are needed to sample."""
+        return (seq.get_len() - 1) // self.block_size
+
+    def _cached_prefix(self, seq: Sequence) -> BlockTable:
+        """The cached blocks of the sequence's longest cached prefix."""
+        if not self.enable_caching:
+            return []
+        tokens, bs = seq.get_token_ids(), self.block_size
+        hits: BlockTable = []
+        parent_hash = None
+        for i in range(self._num_cacheable_blocks(seq)):
+            parent_hash = hash_block_tokens(parent_hash, tuple(tokens[i * bs : (i + 1) * bs]))
+            block = self.gpu_allocator.lookup(parent_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of a waiting sequence whose KV the cache holds."""
+        return len(self._cached_prefix(seq)) * self.block_size
+
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
         seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
-        return self._can_fit(seq.n_blocks, is_new=seq.get_output_len() == 0)
+        # Cached blocks in use by others cost nothing; evictable ones are
+        # counted as free, so taking them costs a free block like a new one.
+        shared = sum(block.ref_count > 0 for block in self._cached_prefix(seq))
+        return self._can_fit(seq.n_blocks - shared, is_new=seq.get_output_len() == 0)
 
-    def allocate(self, seq_group: SequenceGroup) -> None:
+    def allocate(self, seq_group: SequenceGroup) -> int:
         """Give the waiting sequences blocks for every token they have.
 
         All waiting sequences of a group hold the same tokens (the prompt),
-        so they share one block table through the ref counts.
+        so they share one block table through the ref counts. Returns how
+        many leading tokens are already computed (found in the prefix cache).
         """
         waiting = seq_group.get_seqs(SequenceStatus.WAITING)
+        hits = self._cached_prefix(waiting[0])
+        if self.enable_caching:
+            self.prefix_cache_queries += self._num_cacheable_blocks(waiting[0])
+            self.prefix_cache_hits += len(hits)
         block_table: BlockTable = []
-        for _ in range(waiting[0].n_blocks):
+        for block in hits:
+            self.gpu_allocator.reuse(block)
+            block.ref_count += len(waiting) - 1
+            block_table.append(block)
+        for _ in range(waiting[0].n_blocks - len(hits)):
             block = self.gpu_allocator.allocate()
             block.ref_count = len(waiting)
             block_table.append(block)
         for seq in waiting:
             self.block_tables[seq.seq_id] = block_table.copy()
+        return len(hits) * self.block_size
+
+    def mark_blocks_as_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Make the blocks full within the first `num_computed_tokens` tokens
+        findable by content.
+
+        The scheduler calls this as it schedules a sequence, with the tokens
+        it will have computed by the end of the step. A request admitted later
+        in the same step may then reuse these blocks: every layer writes the
+        whole batch's K/V before any attention reads (attention/kv_cache.py).
+        A full block never changes again, so its hash stays true.
+        """
+        if not self.enable_caching:
+            return
+        table, bs = self.block_tables[seq.seq_id], self.block_size
+        num_full = num_computed_tokens // bs
+        first = num_full
+        while first > 0 and table[first - 1].block_hash is None:
+            first -= 1
+        tokens = seq.get_token_ids()
+        for i in range(first, num_full):
+            parent_hash = table[i - 1].block_hash if i > 0 else None
+            table[i].block_hash = hash_block_tokens(
+                parent_hash, tuple(tokens[i * bs : (i + 1) * bs])
+            )
+            self.gpu_allocator.register(table[i])
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
     # -- growing a running sequence ----------------------------------------
 

@@ -103,6 +103,7 @@ class Scheduler:
             num_gpu_blocks=cache_config.num_gpu_blocks,
             num_cpu_blocks=cache_config.num_cpu_blocks,
             watermark=watermark,
+            enable_caching=cache_config.enable_prefix_caching,
         )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
@@ -149,6 +150,8 @@ class Scheduler:
             seq_group = scheduled.seq_group
             seq_group.maybe_set_first_scheduled_time(now)
             running = seq_group.get_seqs(SequenceStatus.RUNNING)
+            # Only the chunk that completes the sequence samples a token.
+            completes = running[0].data.num_computed_tokens + scheduled.token_chunk_size
             seq_group_metadata_list.append(
                 SequenceGroupMetadata(
                     request_id=seq_group.request_id,
@@ -159,6 +162,7 @@ class Scheduler:
                         seq.seq_id: self.block_manager.get_block_table(seq) for seq in running
                     },
                     token_chunk_size=scheduled.token_chunk_size,
+                    do_sample=completes == running[0].get_len(),
                     generator=seq_group.generator,
                 )
             )
@@ -178,28 +182,60 @@ class Scheduler:
             blocks_to_copy=[],
             ignored_seq_groups=[],
         )
-        decodes = self._schedule_running(budget, out)
+        decodes, prefills = self._schedule_running(budget, out)
         if not out.preempted:
             decodes += self._schedule_swapped(budget, out)
-        prefills = []
         if not out.preempted and not self.swapped:
-            prefills = self._schedule_prefills(budget, out)
+            prefills += self._schedule_prefills(budget, out)
 
-        self.running.extend(s.seq_group for s in decodes + prefills)
         out.scheduled_seq_groups = prefills + decodes
         out.num_prefill_groups = len(prefills)
         out.num_batched_tokens = budget.num_batched_tokens
         return out
 
+    def _scheduled(self, seq_group: SequenceGroup, num_tokens: int) -> ScheduledSequenceGroup:
+        """Record that each running sequence of the group computes `num_tokens`
+        this step; with prefix caching, the blocks this fills become findable
+        for the requests scheduled after it."""
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+            computed = seq.data.num_computed_tokens + num_tokens
+            self.block_manager.mark_blocks_as_computed(seq, computed)
+        return ScheduledSequenceGroup(seq_group, token_chunk_size=num_tokens)
+
+    def _chunk_size(self, num_uncomputed: int, budget: SchedulingBudget) -> int:
+        """Tokens of a prefill to compute this step.
+
+        Without chunked prefill: all of them. With it: as many as the token
+        budget has left; with prefix caching too, a whole number of blocks
+        (unless the chunk ends the prompt), so that every chunk ends on a
+        block boundary and full blocks can be cached as they complete.
+        """
+        if not self.scheduler_config.enable_chunked_prefill:
+            return num_uncomputed
+        chunk = min(num_uncomputed, budget.token_budget - budget.num_batched_tokens)
+        if self.cache_config.enable_prefix_caching and chunk < num_uncomputed:
+            chunk -= chunk % self.cache_config.block_size
+        return chunk
+
     def _schedule_running(
         self, budget: SchedulingBudget, out: SchedulerOutputs
-    ) -> list[ScheduledSequenceGroup]:
+    ) -> tuple[list[ScheduledSequenceGroup], list[ScheduledSequenceGroup]]:
         """Give each running request a slot for its next token, preempting
-        the last-arrived requests when the cache runs out of blocks."""
-        decodes = []
+        the last-arrived requests when the cache runs out of blocks; then,
+        with the tokens left, continue the chunked prefills under way.
+
+        Returns (decodes, prefill chunks).
+        """
+        decodes, prefilling = [], []
         running, self.running = self.running, deque()
         while running:
             seq_group = running.popleft()
+            if seq_group.is_prefill():
+                # A chunked prefill under way: it holds blocks for its whole
+                # prompt already, and waits until the decodes are served.
+                prefilling.append(seq_group)
+                self.running.append(seq_group)
+                continue
             while not self.block_manager.can_append_slots(seq_group):
                 # Preempt the lowest-priority request: the last to arrive.
                 victim = running.pop() if running else seq_group
@@ -211,8 +247,18 @@ class Scheduler:
                     out.blocks_to_copy += self.block_manager.append_slots(seq)
                 num_seqs = seq_group.num_seqs(SequenceStatus.RUNNING)
                 budget.add(num_seqs, num_seqs)
-                decodes.append(ScheduledSequenceGroup(seq_group, token_chunk_size=1))
-        return decodes
+                decodes.append(self._scheduled(seq_group, 1))
+                self.running.append(seq_group)
+
+        chunks = []
+        for seq_group in prefilling:
+            seq = seq_group.get_seqs(SequenceStatus.RUNNING)[0]
+            budget.add(0, 1)  # it occupies a running slot, scheduled or not
+            chunk = self._chunk_size(seq.get_num_new_tokens(), budget)
+            if chunk:
+                budget.add(chunk, 0)
+                chunks.append(self._scheduled(seq_group, chunk))
+        return decodes, chunks
 
     def _schedule_swapped(
         self, budget: SchedulingBudget, out: SchedulerOutputs
@@ -237,7 +283,8 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 out.blocks_to_copy += self.block_manager.append_slots(seq)
             budget.add(num_seqs, num_seqs)
-            decodes.append(ScheduledSequenceGroup(seq_group, token_chunk_size=1))
+            decodes.append(self._scheduled(seq_group, 1))
+            self.running.append(seq_group)
         return decodes
 
     def _schedule_prefills(
@@ -248,7 +295,6 @@ class Scheduler:
         while self.waiting:
             seq_group = self.waiting[0]
             seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
-            num_new_tokens = seq.get_num_new_tokens()
             status = self.block_manager.can_allocate(seq_group)
             if status == AllocStatus.LATER:
                 break
@@ -264,21 +310,29 @@ class Scheduler:
                 )
                 continue
             num_new_seqs = seq_group.get_max_num_running_seqs()
-            if not budget.can_schedule(num_new_tokens, num_new_seqs):
+            num_cached = self.block_manager.get_num_cached_tokens(seq)
+            num_new_tokens = self._chunk_size(seq.get_len() - num_cached, budget)
+            if num_new_tokens == 0 or not budget.can_schedule(num_new_tokens, num_new_seqs):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq_group)
+            num_cached = self.block_manager.allocate(seq_group)
             for s in seq_group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
+                s.data.num_computed_tokens = num_cached
             budget.add(num_new_tokens, num_new_seqs)
-            prefills.append(ScheduledSequenceGroup(seq_group, token_chunk_size=num_new_tokens))
+            prefills.append(self._scheduled(seq_group, num_new_tokens))
+            self.running.append(seq_group)
         return prefills
 
     # -- preemption ----------------------------------------------------------
 
     def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
         mode = self.scheduler_config.preemption_mode
-        if mode is None:
+        if seq_group.is_prefill():
+            # A partly prefilled prompt has little to save, and swapping it
+            # back in would resume it as a decode: recompute it.
+            mode = PreemptionMode.RECOMPUTE
+        elif mode is None:
             # vLLM's default: recomputing is cheaper than a round trip over
             # PCIe for one sequence, but n sequences would each recompute.
             single = seq_group.get_max_num_running_seqs() == 1

@@ -33,10 +33,12 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4.0
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
     # Scheduler
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     preemption_mode: str | None = None
+    enable_chunked_prefill: bool = False
     # Accepted so vLLM code runs unchanged; only their single-device,
     # eager values are possible here.
     tensor_parallel_size: int = 1
@@ -81,11 +83,13 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             swap_space=self.swap_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
+            enable_chunked_prefill=self.enable_chunked_prefill,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device_config)

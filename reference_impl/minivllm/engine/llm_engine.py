@@ -171,7 +171,8 @@ class LLMEngine:
                 self.stop_checker.maybe_stop_sequence(seq, seq_group.sampling_params)
                 if seq.is_finished():
                     self.scheduler.free_seq(seq)
-            seq_group.maybe_set_first_token_time(now)
+            if group_output.samples:
+                seq_group.maybe_set_first_token_time(now)
             seq_group.metrics.last_token_time = now
         self.scheduler.free_finished_seq_groups()
 

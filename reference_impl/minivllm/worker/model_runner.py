@@ -74,12 +74,17 @@ class ModelRunner:
                 seq_lens.append(seq_len)
                 context_lens.append(context_len)
                 block_tables.append(block_table)
-                selected.append(len(input_ids) - 1)
+                if meta.do_sample:
+                    selected.append(len(input_ids) - 1)
                 if meta.is_prompt:
                     num_prefills += 1
                     num_prefill_tokens += meta.token_chunk_size
                     query_start_loc.append(len(input_ids))
-            seq_groups.append(SequenceGroupToSample(seq_ids, meta.sampling_params, meta.generator))
+            # A chunk that does not finish its prompt samples nothing.
+            sampled_ids = seq_ids if meta.do_sample else []
+            seq_groups.append(
+                SequenceGroupToSample(sampled_ids, meta.sampling_params, meta.generator)
+            )
 
         max_blocks = max(len(t) for t in block_tables)
         padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
