@@ -80,6 +80,8 @@ def simulate_model_step(
         group = scheduled.seq_group
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             seq.data.update_num_computed_tokens(scheduled.token_chunk_size)
+            if seq.get_num_new_tokens() > 0:
+                continue  # a chunk that does not finish the prompt samples nothing
             seq.append_token_id(1000 + seq.get_output_len(), 0.0)
             if seq.get_output_len() >= targets[group.request_id]:
                 seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
