@@ -33,15 +33,15 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 _HF_CACHE: dict[tuple, tuple[list[int], list[float]]] = {}
 
 
-def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
+def hf_greedy(hf, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[float]]:
     """HF's greedy tokens and, per step, the gap between its top-2 logits."""
-    key = (id(hf), tuple(prompt))
+    key = (id(hf), tuple(prompt), max_tokens)
     if key not in _HF_CACHE:
         out = hf.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
-            max_new_tokens=MAX_TOKENS,
+            max_new_tokens=max_tokens,
             pad_token_id=hf.generation_config.eos_token_id,
             output_logits=True,
             return_dict_in_generate=True,
@@ -52,11 +52,11 @@ def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
     return _HF_CACHE[key]
 
 
-def assert_matches_hf(hf, prompts, outputs) -> None:
+def assert_matches_hf(hf, prompts, outputs, max_tokens: int = MAX_TOKENS) -> None:
     assert [o.prompt_token_ids for o in outputs] == prompts
     for prompt, output in zip(prompts, outputs, strict=True):
         ours = output.outputs[0].token_ids
-        ref, gaps = hf_greedy(hf, prompt)
+        ref, gaps = hf_greedy(hf, prompt, max_tokens)
         diverge = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
         if diverge is None:
             assert len(ours) == len(ref), f"prompt of {len(prompt)}: {ours} vs HF {ref}"

@@ -209,7 +209,9 @@ class SchedulerConfig:
     prompt of `max_model_len` tokens. With `enable_chunked_prefill`, long
     prompts are split across steps to fit it (default 512, as in vLLM).
     `preemption_mode=None` follows vLLM: RECOMPUTE for single-sequence
-    requests, SWAP for several sequences.
+    requests, SWAP for several sequences. `scheduling_policy` is "fcfs"
+    (mixed prefill + decode batches) or "prefill_first" (vLLM v0's classic
+    prefill-only and decode-only steps); see core/scheduler.py.
     """
 
     max_num_seqs: int = 256
@@ -217,8 +219,19 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: PreemptionMode | str | None = None
     enable_chunked_prefill: bool = False
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        policies = ("fcfs", "prefill_first")
+        if self.scheduling_policy not in policies:
+            raise ValueError(
+                f"scheduling_policy must be one of {list(policies)}, got {self.scheduling_policy!r}"
+            )
+        if self.scheduling_policy == "prefill_first" and self.enable_chunked_prefill:
+            raise ValueError(
+                "scheduling_policy='prefill_first' cannot chunk prefills (its steps are all "
+                "prefill or all decode): use enable_chunked_prefill=False or the 'fcfs' policy"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is None:

@@ -17,6 +17,11 @@ order: `waiting` (not yet prefilled, or preempted by RECOMPUTE), `running`
 Running before swapped before waiting is the priority order: a running
 request arrived before any request it could preempt, and admitting new
 prompts while swapped or just-preempted requests wait would starve them.
+
+`scheduling_policy="prefill_first"` is vLLM v0's classic default instead:
+while prompts wait (and nothing is swapped), a step is prefills only;
+decodes run only in steps with no prefill, and swapped requests come back
+only in steps with no preemption. Same tokens, different batches.
 """
 
 from __future__ import annotations
@@ -169,11 +174,40 @@ class Scheduler:
         return seq_group_metadata_list, scheduler_outputs
 
     def _schedule(self) -> SchedulerOutputs:
-        budget = SchedulingBudget(
+        if self.scheduler_config.scheduling_policy == "prefill_first":
+            return self._schedule_prefill_first()
+        budget, out = self._new_budget(), self._new_outputs()
+        decodes, prefills = self._schedule_running(budget, out)
+        if not out.preempted:
+            decodes += self._schedule_swapped(budget, out)
+        if not out.preempted and not self.swapped:
+            prefills += self._schedule_prefills(budget, out)
+        return self._finish(out, budget, prefills, decodes)
+
+    def _schedule_prefill_first(self) -> SchedulerOutputs:
+        """vLLM v0's classic policy: a step is all prefills or all decodes."""
+        budget, out = self._new_budget(), self._new_outputs()
+        if not self.swapped:
+            # Running requests keep their places against max_num_seqs.
+            budget.add(0, sum(sg.get_max_num_running_seqs() for sg in self.running))
+            prefills = self._schedule_prefills(budget, out)
+            if prefills:
+                return self._finish(out, budget, prefills, [])
+            budget = self._new_budget()
+        decodes, _ = self._schedule_running(budget, out)
+        if not out.preempted:
+            decodes += self._schedule_swapped(budget, out)
+        return self._finish(out, budget, [], decodes)
+
+    def _new_budget(self) -> SchedulingBudget:
+        return SchedulingBudget(
             token_budget=self.scheduler_config.max_num_batched_tokens,
             max_num_seqs=self.scheduler_config.max_num_seqs,
         )
-        out = SchedulerOutputs(
+
+    @staticmethod
+    def _new_outputs() -> SchedulerOutputs:
+        return SchedulerOutputs(
             scheduled_seq_groups=[],
             num_prefill_groups=0,
             num_batched_tokens=0,
@@ -182,13 +216,15 @@ class Scheduler:
             blocks_to_copy=[],
             ignored_seq_groups=[],
         )
-        decodes, prefills = self._schedule_running(budget, out)
-        if not out.preempted:
-            decodes += self._schedule_swapped(budget, out)
-        if not out.preempted and not self.swapped:
-            prefills += self._schedule_prefills(budget, out)
 
-        out.scheduled_seq_groups = prefills + decodes
+    @staticmethod
+    def _finish(
+        out: SchedulerOutputs,
+        budget: SchedulingBudget,
+        prefills: list[ScheduledSequenceGroup],
+        decodes: list[ScheduledSequenceGroup],
+    ) -> SchedulerOutputs:
+        out.scheduled_seq_groups = prefills + decodes  # the runner wants prefills first
         out.num_prefill_groups = len(prefills)
         out.num_batched_tokens = budget.num_batched_tokens
         return out

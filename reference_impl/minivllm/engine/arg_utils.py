@@ -39,6 +39,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = False
+    scheduling_policy: str = "fcfs"
     # Accepted so vLLM code runs unchanged; only their single-device,
     # eager values are possible here.
     tensor_parallel_size: int = 1
@@ -91,5 +92,6 @@ class EngineArgs:
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduling_policy=self.scheduling_policy,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device_config)
