@@ -4,23 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minivllm.sequence import RequestMetrics, SequenceGroup
+from minivllm.sequence import PositionLogprobs, RequestMetrics, SequenceGroup
 
 
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request.
 
-    finish_reason is None while generating, then "stop" (EOS or a stop
-    token), "length" (max_tokens or max_model_len) or "abort".
-    stop_reason is the stop token id that ended it, if any.
+    finish_reason is None while generating, then "stop" (EOS, a stop token
+    or a stop string), "length" (max_tokens or max_model_len) or "abort".
+    stop_reason is the stop token id or stop string that ended it, if any.
+    logprobs: with SamplingParams.logprobs, one token_id -> Logprob dict per
+    generated token; otherwise None.
     """
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -30,11 +32,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step (or at the end of `generate`)."""
+    """The state of one request after a step (or at the end of `generate`).
+
+    prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per
+    prompt token: None for the first, then a token_id -> Logprob dict.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
@@ -42,13 +49,15 @@ class RequestOutput:
     @classmethod
     def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:
         seqs = sorted(seq_group.get_seqs(), key=lambda s: s.seq_id)
+        params = seq_group.sampling_params
+        prompt_logprobs = seq_group.prompt_logprobs
         outputs = [
             CompletionOutput(
                 index=i,
-                text=seq.output_text,
+                text=seq.get_output_text_to_return(params),
                 token_ids=list(seq.get_output_token_ids()),
                 cumulative_logprob=seq.get_cumulative_logprob(),
-                logprobs=None,
+                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             )
@@ -58,6 +67,7 @@ class RequestOutput:
             request_id=seq_group.request_id,
             prompt=seq_group.prompt,
             prompt_token_ids=list(seq_group.prompt_token_ids),
+            prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
             outputs=outputs,
             finished=seq_group.is_finished(),
             metrics=seq_group.metrics,

@@ -44,6 +44,24 @@ class SequenceStatus(enum.IntEnum):
         }.get(status)
 
 
+@dataclass
+class Logprob:
+    """One token's log-probability at one position.
+
+    rank: 1 for the most likely token, counting tokens strictly more likely.
+    decoded_token: the text the token adds after the tokens before it (set
+        by the detokenizer).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# token_id -> Logprob at one position: the chosen token and the top-k ones.
+PositionLogprobs = dict[int, Logprob]
+
+
 class SequenceStage(enum.Enum):
     """PREFILL until every token so far has its KV in the cache, then DECODE."""
 
@@ -106,6 +124,14 @@ class Sequence:
         self.block_size = block_size
         self.data = SequenceData(list(prompt_token_ids))
         self.output_text = ""
+        # One entry per output token: its logprob and the top-k alternatives.
+        self.output_logprobs: list[PositionLogprobs] = []
+        # Incremental detokenization (transformers_utils/detokenizer.py):
+        # output tokens [prefix_offset, read_offset) are the context the next
+        # tokens are decoded in; tokens from read_offset on are not in
+        # output_text yet.
+        self.prefix_offset = 0
+        self.read_offset = 0
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
 
@@ -145,6 +171,24 @@ class Sequence:
 
     def get_cumulative_logprob(self) -> float:
         return self.data.cumulative_logprob
+
+    def get_output_text_to_return(self, params: SamplingParams) -> str:
+        """The output text that is safe to show now.
+
+        While generating, a tail that may be the start of a stop string is
+        held back: if the stop string completed, that text would have to be
+        taken back. With include_stop_str_in_output it stays in the final
+        text anyway, so nothing is held. Once finished, all text is final.
+        """
+        if self.is_finished() or params.include_stop_str_in_output:
+            return self.output_text
+        text = self.output_text
+        longest = max((len(s) for s in params.stop), default=0)
+        for held in range(min(longest - 1, len(text)), 0, -1):
+            tail = text[-held:]
+            if any(len(s) > held and s.startswith(tail) for s in params.stop):
+                return text[:-held]
+        return text
 
     def get_num_new_tokens(self) -> int:
         """Tokens this sequence feeds the model next step: all uncomputed ones."""
@@ -190,6 +234,11 @@ class SequenceGroup:
         self.seqs_dict = {seq.seq_id: seq for seq in seqs}
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # With prompt_logprobs: one entry per prompt token, None for the first
+        # (nothing predicts it), filled in as the prefill computes them.
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         # A seeded request draws from its own generator, so its tokens do
         # not depend on the other requests in the batch.
         self.generator: torch.Generator | None = None
@@ -266,15 +315,21 @@ class SequenceGroupMetadata:
 
 @dataclass
 class SequenceOutput:
-    """The token sampled for one sequence, and its log-probability."""
+    """The token sampled for one sequence, with the logprobs at its position:
+    the sampled token's always, and the top `logprobs` tokens' if asked."""
 
     parent_seq_id: int
     output_token: int
-    logprob: float
+    logprobs: PositionLogprobs
 
 
 @dataclass
 class CompletionSequenceGroupOutput:
-    """The samples of one sequence group in one step."""
+    """The samples of one sequence group in one step.
+
+    prompt_logprobs: with prompt_logprobs, one entry for each prompt token
+    this step's prefill predicted, in order.
+    """
 
     samples: list[SequenceOutput]
+    prompt_logprobs: list[PositionLogprobs] | None = None

@@ -6,13 +6,15 @@ waiting queue. Each `step()` has three phases:
 1. schedule: the scheduler picks the batch and the block moves;
 2. execute: the worker moves blocks, runs the model and samples a token
    for every scheduled sequence;
-3. process: new tokens are appended and detokenized, finished sequences
-   are detected (`StopChecker`) and their blocks freed, and a
-   `RequestOutput` is made for every request that took part.
+3. process: new tokens are appended and detokenized (incrementally, by the
+   `Detokenizer`), finished sequences are detected (`StopChecker`) and
+   their blocks freed, and a `RequestOutput` is made for every request
+   that took part.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 
@@ -25,7 +27,14 @@ from minivllm.engine.stop_checker import StopChecker
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from minivllm.sequence import (
+    PositionLogprobs,
+    Sequence,
+    SequenceGroup,
+    SequenceOutput,
+    SequenceStatus,
+)
+from minivllm.transformers_utils.detokenizer import Detokenizer
 from minivllm.transformers_utils.tokenizer import get_tokenizer
 from minivllm.worker.worker import Worker
 
@@ -41,6 +50,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(
             self.model_config.tokenizer, self.model_config.trust_remote_code
         )
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.seq_counter = itertools.count()
 
         self.worker = Worker(self.model_config, self.cache_config, engine_config.device_config)
@@ -109,6 +119,18 @@ class LLMEngine:
             )
         if params.n > 1:
             raise NotImplementedError("n > 1 (parallel sampling) is not implemented yet; use n=1")
+        if params.prompt_logprobs is not None and self.cache_config.enable_prefix_caching:
+            # A cached prefix is never run through the model: its logits,
+            # and so its prompt logprobs, do not exist.
+            raise ValueError(
+                f"Request {request_id!r}: prompt_logprobs={params.prompt_logprobs} needs "
+                "enable_prefix_caching=False"
+            )
+        # The request's own copy, to which the engine adds its EOS ids: the
+        # sampler bans them, like the stop tokens, before min_tokens.
+        params = copy.deepcopy(params)
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.stop_checker.eos_token_ids
         block_size = self.cache_config.block_size
         seqs = [
             Sequence(next(self.seq_counter), prompt_text, prompt_token_ids, block_size)
@@ -162,15 +184,12 @@ class LLMEngine:
         scheduled = scheduler_outputs.scheduled_seq_groups
         for scheduled_group, group_output in zip(scheduled, output, strict=True):
             seq_group = scheduled_group.seq_group
+            if group_output.prompt_logprobs is not None:
+                self._append_prompt_logprobs(seq_group, group_output.prompt_logprobs)
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 seq.data.update_num_computed_tokens(scheduled_group.token_chunk_size)
             for sample in group_output.samples:
-                seq = seq_group.seqs_dict[sample.parent_seq_id]
-                seq.append_token_id(sample.output_token, sample.logprob)
-                self._decode(seq, seq_group.sampling_params)
-                self.stop_checker.maybe_stop_sequence(seq, seq_group.sampling_params)
-                if seq.is_finished():
-                    self.scheduler.free_seq(seq)
+                self._process_sample(seq_group, sample)
             if group_output.samples:
                 seq_group.maybe_set_first_token_time(now)
             seq_group.metrics.last_token_time = now
@@ -185,12 +204,28 @@ class LLMEngine:
                 self._live_request_ids.discard(seq_group.request_id)
         return [RequestOutput.from_seq_group(sg) for sg in finished_now]
 
-    def _decode(self, seq: Sequence, params: SamplingParams) -> None:
-        """Refresh the sequence's text from all its output tokens.
+    def _process_sample(self, seq_group: SequenceGroup, sample: SequenceOutput) -> None:
+        """Append a sampled token, extend the text, and stop if it is done."""
+        seq = seq_group.seqs_dict[sample.parent_seq_id]
+        params = seq_group.sampling_params
+        seq.append_token_id(sample.output_token, sample.logprobs[sample.output_token].logprob)
+        seq.output_logprobs.append(sample.logprobs)
+        new_char_count = self.detokenizer.decode_sequence_inplace(seq, params)
+        self.stop_checker.maybe_stop_sequence(seq, new_char_count, params)
+        if seq.is_finished():
+            self.detokenizer.flush(seq, params)
+            self.scheduler.free_seq(seq)
 
-        Decoding the whole output every step (rather than only the new
-        token) keeps multi-byte characters that span tokens correct.
+    def _append_prompt_logprobs(
+        self, seq_group: SequenceGroup, prompt_logprobs: list[PositionLogprobs]
+    ) -> None:
+        """Record the prompt logprobs this step's prefill computed.
+
+        They start at the prompt token after the last computed one. A prefill
+        run again after a RECOMPUTE preemption computes them again: only
+        those not yet recorded are kept.
         """
-        seq.output_text = self.tokenizer.decode(
-            seq.get_output_token_ids(), skip_special_tokens=params.skip_special_tokens
-        )
+        first = seq_group.seqs[0].data.num_computed_tokens + 1
+        known = len(seq_group.prompt_logprobs)
+        seq_group.prompt_logprobs += prompt_logprobs[known - first :]
+        self.detokenizer.decode_prompt_logprobs_inplace(seq_group, known)

@@ -4,8 +4,9 @@ One step's batch is flattened: every scheduled sequence contributes its new
 tokens (its whole uncomputed prompt when prefilling, one token when
 decoding), prefills first. For each token we build its `input_ids`,
 `positions` and `slot_mapping` (where its K/V go); per sequence its
-`seq_lens`, `context_lens` and block table. Only the last token of each
-sequence has its logits computed and sampled.
+`seq_lens`, `context_lens` and block table. Logits are computed only for
+the rows `SamplingMetadata.prepare` selects: the last token of each sequence
+that samples, and the prompt positions of requests with prompt_logprobs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from minivllm.attention import AttentionMetadata
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
 from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
 from minivllm.model_executor.model_loader import get_model
-from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
+from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sequence import SequenceGroupMetadata
 
 
@@ -53,8 +54,6 @@ class ModelRunner:
         context_lens: list[int] = []
         block_tables: list[list[int]] = []
         query_start_loc = [0]
-        selected: list[int] = []
-        seq_groups: list[SequenceGroupToSample] = []
         num_prefills = num_prefill_tokens = 0
 
         for meta in seq_group_metadata_list:
@@ -74,17 +73,10 @@ class ModelRunner:
                 seq_lens.append(seq_len)
                 context_lens.append(context_len)
                 block_tables.append(block_table)
-                if meta.do_sample:
-                    selected.append(len(input_ids) - 1)
                 if meta.is_prompt:
                     num_prefills += 1
                     num_prefill_tokens += meta.token_chunk_size
                     query_start_loc.append(len(input_ids))
-            # A chunk that does not finish its prompt samples nothing.
-            sampled_ids = seq_ids if meta.do_sample else []
-            seq_groups.append(
-                SequenceGroupToSample(sampled_ids, meta.sampling_params, meta.generator)
-            )
 
         max_blocks = max(len(t) for t in block_tables)
         padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
@@ -107,7 +99,9 @@ class ModelRunner:
             input_ids=as_tensor(input_ids),
             positions=as_tensor(positions),
             attn_metadata=attn_metadata,
-            sampling_metadata=SamplingMetadata(seq_groups, as_tensor(selected)),
+            sampling_metadata=SamplingMetadata.prepare(
+                seq_group_metadata_list, seq_lens, context_lens, self.device
+            ),
         )
 
     @torch.inference_mode()
@@ -123,7 +117,7 @@ class ModelRunner:
             kv_caches,
             model_input.attn_metadata,
         )  # [num_tokens, hidden_size]
-        # Only the last token of each sequence needs logits.
+        # Only the rows the sampler reads need logits.
         hidden_states = hidden_states[model_input.sampling_metadata.selected_token_indices]
-        logits = self.model.compute_logits(hidden_states)  # [num_seqs, vocab_size]
+        logits = self.model.compute_logits(hidden_states)  # [num_selected_rows, vocab_size]
         return self.sampler(logits, model_input.sampling_metadata)

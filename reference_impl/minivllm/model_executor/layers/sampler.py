@@ -1,9 +1,20 @@
-"""The sampler: from logits to one token per sequence.
+"""The sampler: from logits to one token per sequence, with logprobs.
 
-In vLLM's order: temperature, then top-k, then top-p, then a draw from the
-remaining distribution (greedy rows take the argmax). Seeded requests draw
-from their own `torch.Generator`, so their tokens do not depend on what else
-is in the batch.
+Each row goes through vLLM's steps, in vLLM's order:
+
+1. min_tokens: while a sequence has fewer outputs than `min_tokens`, every
+   token that would end it (EOS, `stop_token_ids`) is set to -inf;
+2. penalties: repetition (prompt and output tokens), then presence and
+   frequency (output tokens only);
+3. temperature, then top-k, then top-p, then min-p;
+4. a draw from what remains; greedy rows take the argmax. Seeded requests
+   draw from their own `torch.Generator`, so their tokens do not depend on
+   what else is in the batch.
+
+Logprobs are those of the processed distribution, the one the token was
+drawn from, as in vLLM v0. Prompt logprobs are the model's own (raw)
+distribution: the prompt was not sampled, and truncation would give most
+prompt tokens -inf.
 """
 
 from __future__ import annotations
@@ -13,9 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.model_executor.sampling_metadata import SamplingMetadata
+from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
 from minivllm.sampling_params import SamplingType
-from minivllm.sequence import CompletionSequenceGroupOutput, SequenceOutput
+from minivllm.sequence import (
+    CompletionSequenceGroupOutput,
+    Logprob,
+    PositionLogprobs,
+    SequenceData,
+    SequenceOutput,
+)
 
 
 @dataclass
@@ -29,6 +46,60 @@ class SamplerOutput:
 
     def __getitem__(self, index: int) -> CompletionSequenceGroupOutput:
         return self.outputs[index]
+
+
+def apply_min_tokens_penalty(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    banned_token_ids: list[list[int]],  # per row; empty = nothing banned
+) -> torch.Tensor:
+    """Set each row's banned tokens to -inf, so they cannot be sampled."""
+    logits = logits.clone()
+    for row, token_ids in enumerate(banned_token_ids):
+        logits[row, token_ids] = float("-inf")
+    return logits
+
+
+def get_token_bin_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[num_rows, vocab_size]: how often each token id occurs in each row's list."""
+    longest = max((len(ids) for ids in token_ids), default=0)
+    # Pad with an extra id, vocab_size, whose column is dropped at the end.
+    padded = torch.tensor(
+        [ids + [vocab_size] * (longest - len(ids)) for ids in token_ids],
+        dtype=torch.long,
+        device=device,
+    ).reshape(len(token_ids), longest)  # [num_rows, longest]
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    presence_penalties: torch.Tensor,  # [num_rows]; 0 = off
+    frequency_penalties: torch.Tensor,  # [num_rows]; 0 = off
+    repetition_penalties: torch.Tensor,  # [num_rows]; 1 = off
+) -> torch.Tensor:
+    """Discourage tokens already seen.
+
+    Repetition penalty (Hugging Face's, from the CTRL paper) covers prompt
+    and output tokens: a positive logit is divided by it, a negative one
+    multiplied, so the token always becomes less likely. Presence and
+    frequency penalties (OpenAI's) cover output tokens only:
+    logit -= frequency * count + presence * (count > 0).
+    """
+    vocab_size = logits.shape[-1]
+    output_counts = get_token_bin_counts(output_token_ids, vocab_size, logits.device)
+    prompt_counts = get_token_bin_counts(prompt_token_ids, vocab_size, logits.device)
+    seen = (prompt_counts > 0) | (output_counts > 0)  # [num_rows, vocab_size]
+    repetition = repetition_penalties.unsqueeze(-1)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency_penalties.unsqueeze(-1) * output_counts
+    return logits - presence_penalties.unsqueeze(-1) * (output_counts > 0)
 
 
 def apply_top_k_top_p(
@@ -55,6 +126,40 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def apply_min_p(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    min_p: torch.Tensor,  # [num_rows]; 0 = keep all
+) -> torch.Tensor:
+    """Set to -inf every token less likely than min_p times the most likely
+    one: the cut scales with how confident the model is."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)  # [num_rows, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def get_position_logprobs(
+    logprobs: torch.Tensor,  # [num_rows, vocab_size]
+    token_ids: list[int],  # per row: the token that came next
+    num_top: list[int],  # per row: how many most likely tokens to add
+) -> list[PositionLogprobs]:
+    """Per row: the given token's logprob and rank, plus the `num_top` most
+    likely tokens, ranked 1, 2, ... in order."""
+    chosen = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    chosen_logprobs = logprobs.gather(-1, chosen.unsqueeze(-1))  # [num_rows, 1]
+    # Rank: 1 + how many tokens are strictly more likely.
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [num_rows]
+    top_logprobs, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)  # [num_rows, k]
+    chosen_logprobs, ranks = chosen_logprobs.squeeze(-1).tolist(), ranks.tolist()
+    top_logprobs, top_ids = top_logprobs.tolist(), top_ids.tolist()
+    result = []
+    for row, token_id in enumerate(token_ids):
+        entry = {token_id: Logprob(chosen_logprobs[row], ranks[row])}
+        for rank in range(num_top[row]):
+            entry.setdefault(top_ids[row][rank], Logprob(top_logprobs[row][rank], rank + 1))
+        result.append(entry)
+    return result
+
+
 class Sampler(nn.Module):
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
@@ -64,34 +169,100 @@ class Sampler(nn.Module):
 
     def forward(
         self,
-        logits: torch.Tensor,  # [num_sampled_rows, vocab_size]
+        logits: torch.Tensor,  # [num_selected_rows, vocab_size]
         sampling_metadata: SamplingMetadata,
     ) -> SamplerOutput:
         logits = logits.float()
-        rows = [sg for sg in sampling_metadata.seq_groups for _ in sg.seq_ids]
-        temperatures, top_ks, top_ps = [], [], []
-        vocab_size = logits.shape[-1]
-        for sg in rows:
-            p = sg.sampling_params
-            greedy = p.sampling_type == SamplingType.GREEDY
-            temperatures.append(1.0 if greedy else p.temperature)
-            top_ks.append(vocab_size if p.top_k == -1 else min(p.top_k, vocab_size))
-            top_ps.append(p.top_p)
-        device = logits.device
-        logits = logits / torch.tensor(temperatures, device=device).unsqueeze(-1)
-        logits = apply_top_k_top_p(
-            logits, torch.tensor(top_ks, device=device), torch.tensor(top_ps, device=device)
-        )
-        logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab_size]
+        seq_groups = sampling_metadata.seq_groups
+        # One row per sampling sequence, in group order.
+        rows = [(sg, seq_id) for sg in seq_groups if sg.sample_indices for seq_id in sg.seq_ids]
+        sample_indices = [index for sg in seq_groups for index in sg.sample_indices]
+        processed = self._process_logits(logits[sample_indices], rows)  # [num_rows, vocab_size]
+        logprobs = torch.log_softmax(processed, dim=-1)
         probs = logprobs.exp()
-
         tokens = []
-        for row, sg in enumerate(rows):
+        for row, (sg, _) in enumerate(rows):
             if sg.sampling_params.sampling_type == SamplingType.GREEDY:
-                tokens.append(int(logits[row].argmax()))
+                tokens.append(int(processed[row].argmax()))
             else:
                 tokens.append(self._draw(probs[row], sg.generator or self.generator))
-        return self._build_output(sampling_metadata, tokens, logprobs)
+        num_top = [sg.sampling_params.logprobs or 0 for sg, _ in rows]
+        sample_logprobs = get_position_logprobs(logprobs, tokens, num_top)
+
+        outputs, row = [], 0
+        for sg in seq_groups:
+            samples = []
+            for seq_id in sg.seq_ids if sg.sample_indices else []:
+                samples.append(SequenceOutput(seq_id, tokens[row], sample_logprobs[row]))
+                row += 1
+            outputs.append(
+                CompletionSequenceGroupOutput(samples, self._prompt_logprobs(logits, sg))
+            )
+        return SamplerOutput(outputs)
+
+    @staticmethod
+    def _process_logits(
+        logits: torch.Tensor,  # [num_rows, vocab_size]
+        rows: list[tuple[SequenceGroupToSample, int]],
+    ) -> torch.Tensor:
+        """Steps 1-3 of the module docstring, each row with its own parameters."""
+        params = [sg.sampling_params for sg, _ in rows]
+        seq_data: list[SequenceData] = [sg.seq_data[seq_id] for sg, seq_id in rows]
+        device, vocab_size = logits.device, logits.shape[-1]
+
+        def per_row(values: list, dtype: torch.dtype = torch.float) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        banned = [
+            sorted(p.all_stop_token_ids) if len(d.output_token_ids) < p.min_tokens else []
+            for p, d in zip(params, seq_data, strict=True)
+        ]
+        logits = apply_min_tokens_penalty(logits, banned)
+        # The token counts cost O(num_rows * vocab_size): skip them when no
+        # row is penalized (every penalty at its neutral value is a no-op).
+        if any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
+        ):
+            logits = apply_penalties(
+                logits,
+                [d.prompt_token_ids for d in seq_data],
+                [d.output_token_ids for d in seq_data],
+                per_row([p.presence_penalty for p in params]),
+                per_row([p.frequency_penalty for p in params]),
+                per_row([p.repetition_penalty for p in params]),
+            )
+        # Greedy rows use temperature 1: their argmax does not depend on it,
+        # and their logprobs stay those of the (penalized) model.
+        temperatures = [
+            1.0 if p.sampling_type == SamplingType.GREEDY else p.temperature for p in params
+        ]
+        logits = logits / per_row(temperatures).unsqueeze(-1)
+        logits = apply_top_k_top_p(
+            logits,
+            per_row(
+                [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
+                torch.long,
+            ),
+            per_row([p.top_p for p in params]),
+        )
+        return apply_min_p(logits, per_row([p.min_p for p in params]))
+
+    @staticmethod
+    def _prompt_logprobs(
+        logits: torch.Tensor,  # [num_selected_rows, vocab_size]
+        sg: SequenceGroupToSample,
+    ) -> list[PositionLogprobs] | None:
+        """Logprobs of the prompt tokens this step predicts, raw distribution."""
+        if not sg.prompt_logprob_indices:
+            return None
+        data = sg.seq_data[sg.seq_ids[0]]
+        # Row i is the logits at position num_computed_tokens + i, which
+        # predict the prompt token after it.
+        first = data.num_computed_tokens + 1
+        next_tokens = data.prompt_token_ids[first : first + len(sg.prompt_logprob_indices)]
+        logprobs = torch.log_softmax(logits[sg.prompt_logprob_indices], dim=-1)
+        num_top = [sg.sampling_params.prompt_logprobs] * len(next_tokens)
+        return get_position_logprobs(logprobs, next_tokens, num_top)
 
     @staticmethod
     def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -100,17 +271,3 @@ class Sampler(nn.Module):
         CPU so a seed gives the same tokens on every device."""
         noise = torch.empty(probs.shape[0]).exponential_(generator=generator)
         return int((probs.cpu() / noise).argmax())
-
-    @staticmethod
-    def _build_output(
-        sampling_metadata: SamplingMetadata, tokens: list[int], logprobs: torch.Tensor
-    ) -> SamplerOutput:
-        outputs, row = [], 0
-        for sg in sampling_metadata.seq_groups:
-            samples = []
-            for seq_id in sg.seq_ids:
-                token = tokens[row]
-                samples.append(SequenceOutput(seq_id, token, float(logprobs[row, token])))
-                row += 1
-            outputs.append(CompletionSequenceGroupOutput(samples))
-        return SamplerOutput(outputs)

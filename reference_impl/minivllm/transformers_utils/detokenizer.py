@@ -1,0 +1,101 @@
+"""Incremental detokenization: each step, decode only what the new token adds.
+
+Decoding the whole output every step costs O(output length) per token.
+Decoding the new token alone is wrong in two ways: a byte-level BPE token
+may hold only part of a multi-byte UTF-8 character (it decodes to U+FFFD
+until the rest arrives), and a SentencePiece token's text depends on
+whether a token precedes it (the first token decoded loses its leading
+space). So the new text is the difference between decoding a short window
+of recent tokens with and without the new ones:
+
+    prefix_offset          read_offset              len(output tokens)
+        |-- already in output_text --|-- not in output_text yet --|
+
+    new text = decode(tokens[prefix_offset:])[len(decode(tokens[prefix_offset:read_offset])):]
+
+When that ends in an incomplete character, nothing is added and the
+window waits for the next token. The result equals decoding all output
+tokens at once (without `clean_up_tokenization_spaces`, as vLLM does).
+"""
+
+from __future__ import annotations
+
+import os
+
+from transformers import PreTrainedTokenizerBase
+
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import PositionLogprobs, Sequence, SequenceGroup
+
+# What an incomplete UTF-8 sequence decodes to.
+_REPLACEMENT_CHAR = "\ufffd"
+# Tokens before a logprob candidate that it is decoded after: enough for the
+# rest of a 4-byte UTF-8 character and for a SentencePiece word start.
+_LOGPROB_CONTEXT_TOKENS = 4
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+
+    def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def decode_sequence_inplace(self, seq: Sequence, params: SamplingParams) -> int:
+        """Append the text of the sequence's newest token to its output_text
+        (and name the candidates of its logprobs, if asked).
+
+        Returns how many characters were added: the stop checker searches
+        only those for stop strings.
+        """
+        if params.logprobs is not None:
+            output_ids = seq.get_output_token_ids()
+            context = output_ids[-_LOGPROB_CONTEXT_TOKENS - 1 : -1]
+            self._decode_candidates(seq.output_logprobs[-1], context, params)
+        return self._append_new_text(seq, params, final=False)
+
+    def flush(self, seq: Sequence, params: SamplingParams) -> None:
+        """Append the text still waiting for the rest of a character, once
+        the sequence has finished: it will not complete now, and the full
+        decode shows it as U+FFFD."""
+        self._append_new_text(seq, params, final=True)
+
+    def _append_new_text(self, seq: Sequence, params: SamplingParams, final: bool) -> int:
+        token_ids = seq.get_output_token_ids()
+        if seq.read_offset == len(token_ids):
+            return 0
+        prefix_text = self._decode(token_ids[seq.prefix_offset : seq.read_offset], params)
+        text = self._decode(token_ids[seq.prefix_offset :], params)
+        incomplete = len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT_CHAR)
+        if incomplete and not final:
+            return 0
+        new_text = text[len(prefix_text) :]
+        seq.output_text += new_text
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(token_ids)
+        return len(new_text)
+
+    def decode_prompt_logprobs_inplace(self, seq_group: SequenceGroup, first: int) -> None:
+        """Name the candidates of the prompt logprobs from position `first` on."""
+        prompt = seq_group.prompt_token_ids
+        for position in range(first, len(seq_group.prompt_logprobs)):
+            context = prompt[max(position - _LOGPROB_CONTEXT_TOKENS, 0) : position]
+            self._decode_candidates(
+                seq_group.prompt_logprobs[position], context, seq_group.sampling_params
+            )
+
+    def _decode_candidates(
+        self, logprobs: PositionLogprobs, context: list[int], params: SamplingParams
+    ) -> None:
+        """Set each candidate's decoded_token: the text it adds after `context`.
+
+        The text is what differs from the context's own decode, so a token
+        that completes a multi-byte character shows the whole character.
+        """
+        before = self._decode(context, params)
+        for token_id, logprob in logprobs.items():
+            after = self._decode(context + [token_id], params)
+            logprob.decoded_token = after[len(os.path.commonprefix([before, after])) :]

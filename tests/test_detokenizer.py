@@ -1,0 +1,91 @@
+"""Incremental detokenization equals decoding the whole output at once,
+including characters whose UTF-8 bytes arrive in separate tokens."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from minivllm import LLM, SamplingParams
+from minivllm.sequence import Logprob, Sequence
+from minivllm.transformers_utils.detokenizer import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+
+
+def byte_tokens(tokenizer, char: str) -> list[int]:
+    """The ids of char's UTF-8 bytes: one token per byte (the tiny byte-level
+    BPE learned no merges for non-ASCII text)."""
+    ids = tokenizer.encode(char)
+    assert len(ids) == len(char.encode()) > 1
+    return ids
+
+
+def detokenize(tokenizer, token_ids: list[int], params: SamplingParams) -> tuple[Sequence, list]:
+    """Feed token_ids one at a time, as the engine does; returns the sequence
+    and its output_text after each token."""
+    seq = Sequence(0, None, [5, 6], block_size=16)
+    detokenizer = Detokenizer(tokenizer)
+    texts = []
+    for token_id in token_ids:
+        seq.append_token_id(token_id, 0.0)
+        seq.output_logprobs.append({token_id: Logprob(0.0)})
+        detokenizer.decode_sequence_inplace(seq, params)
+        texts.append(seq.output_text)
+    detokenizer.flush(seq, params)
+    return seq, texts
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_multibyte_characters_across_tokens(tokenizer, skip_special_tokens):
+    e_acute, emoji = byte_tokens(tokenizer, "é"), byte_tokens(tokenizer, "😀")
+    ascii_ids = tokenizer.encode(" the cat")
+    eos = tokenizer.eos_token_id
+    token_ids = ascii_ids + e_acute + emoji + [eos] + emoji + ascii_ids + e_acute + [eos]
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    seq, texts = detokenize(tokenizer, token_ids, params)
+    full = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    assert seq.output_text == full
+    assert "é" in full and "😀" in full and ("</s>" in full) != skip_special_tokens
+    for k, text in enumerate(texts):
+        # Never a half character: what is shown stays, and is whole.
+        assert full.startswith(text) and "\ufffd" not in text
+        prefix = tokenizer.decode(token_ids[: k + 1], skip_special_tokens=skip_special_tokens)
+        if not prefix.endswith("\ufffd"):
+            assert text == prefix
+
+
+def test_an_unfinished_character_is_flushed_at_the_end(tokenizer):
+    token_ids = tokenizer.encode("ab") + byte_tokens(tokenizer, "😀")[:2]
+    seq, texts = detokenize(tokenizer, token_ids, SamplingParams())
+    assert texts[-1] == "ab"  # waiting for the rest of the character
+    assert seq.output_text == tokenizer.decode(token_ids) == "ab\ufffd"
+
+
+def test_logprob_candidates_are_named_with_their_context(tokenizer):
+    emoji = byte_tokens(tokenizer, "😀")
+    seq, _ = detokenize(tokenizer, tokenizer.encode("ab") + emoji, SamplingParams(logprobs=0))
+    decoded = [
+        entry[t].decoded_token for entry, t in zip(seq.output_logprobs[-4:], emoji, strict=True)
+    ]
+    # A lone lead byte shows as U+FFFD, as it would decoded alone; the byte
+    # that completes the character names all of it.
+    assert decoded[0] == "\ufffd" and decoded[-1] == "😀"
+
+
+def test_engine_text_equals_full_decode(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"))
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
+        for seed in range(6)
+    ]
+    # This prompt leads the random model into non-ASCII bytes.
+    outs = llm.generate(["The capital of France is"] * len(params), params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    tok = llm.get_tokenizer()
+    decoded = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
+    assert texts == decoded
+    assert any(not text.isascii() for text in texts)  # multi-byte characters were made
