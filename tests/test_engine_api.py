@@ -187,7 +187,7 @@ def test_request_larger_than_the_cache_is_ignored_not_retried(tiny_model_dir):
         ({"top_k": -2}, "top_k must be -1 .* got -2"),
         ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
         ({"n": 0}, "n must be an integer >= 1, got 0"),
-        ({"n": 2, "temperature": 0}, "n must be 1 when sampling greedily"),
+        ({"n": 2, "temperature": 0}, "n and best_of must be 1 when sampling greedily"),
         ({"stop_token_ids": [-3]}, r"stop_token_ids must be non-negative integers, got \[-3\]"),
         ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
     ],

@@ -210,8 +210,9 @@ class SchedulerConfig:
     prompts are split across steps to fit it (default 512, as in vLLM).
     `preemption_mode=None` follows vLLM: RECOMPUTE for single-sequence
     requests, SWAP for several sequences. `scheduling_policy` is "fcfs"
-    (mixed prefill + decode batches) or "prefill_first" (vLLM v0's classic
-    prefill-only and decode-only steps); see core/scheduler.py.
+    (mixed prefill + decode batches), "prefill_first" (vLLM v0's classic
+    prefill-only and decode-only steps) or "priority" (fcfs batches, queues
+    ordered by each request's priority, then arrival); see core/scheduler.py.
     """
 
     max_num_seqs: int = 256
@@ -222,7 +223,7 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
-        policies = ("fcfs", "prefill_first")
+        policies = ("fcfs", "prefill_first", "priority")
         if self.scheduling_policy not in policies:
             raise ValueError(
                 f"scheduling_policy must be one of {list(policies)}, got {self.scheduling_policy!r}"

@@ -48,8 +48,12 @@ class RequestOutput:
 
     @classmethod
     def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:
-        seqs = sorted(seq_group.get_seqs(), key=lambda s: s.seq_id)
         params = seq_group.sampling_params
+        seqs = sorted(seq_group.get_seqs(), key=lambda s: s.seq_id)
+        if params.best_of > params.n:
+            # best_of: return the n most likely sequences (so far).
+            seqs = sorted(seqs, key=lambda s: s.get_cumulative_logprob(), reverse=True)
+        seqs = seqs[: params.n]
         prompt_logprobs = seq_group.prompt_logprobs
         outputs = [
             CompletionOutput(

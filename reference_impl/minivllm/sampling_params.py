@@ -26,6 +26,8 @@ class SamplingParams:
     """Per-request sampling and stopping rules (vLLM's names and meanings).
 
     n: sequences to return for the prompt.
+    best_of: sequences to generate, of which the n with the highest
+        cumulative logprob are returned (default n).
     presence_penalty: subtracted once from the logit of every token already
         in the output (> 0 favours new tokens), in [-2, 2] as in OpenAI's API.
     frequency_penalty: subtracted from a token's logit once per time it is
@@ -53,6 +55,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -76,6 +79,8 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.stop = self._normalize_stop(self.stop)
         self._verify_args()
@@ -98,6 +103,8 @@ class SamplingParams:
     def _verify_args(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -135,8 +142,11 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {bad}")
-        if self.sampling_type == SamplingType.GREEDY and self.n > 1:
-            raise ValueError(f"n must be 1 when sampling greedily (temperature=0), got n={self.n}")
+        if self.sampling_type == SamplingType.GREEDY and self.best_of > 1:
+            raise ValueError(
+                "n and best_of must be 1 when sampling greedily (temperature=0), "
+                f"got n={self.n}, best_of={self.best_of}"
+            )
 
     @property
     def sampling_type(self) -> SamplingType:

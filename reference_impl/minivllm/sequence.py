@@ -9,6 +9,7 @@ worker for one step.
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
@@ -203,6 +204,13 @@ class Sequence:
     def reset_state_for_recompute(self) -> None:
         self.data.reset_state_for_recompute()
 
+    def fork(self, new_seq_id: int) -> Sequence:
+        """A copy with its own id: same tokens, text and state so far. Its KV
+        blocks are shared with this one by the block manager (`fork`)."""
+        child = copy.deepcopy(self)
+        child.seq_id = new_seq_id
+        return child
+
     def __repr__(self) -> str:
         return f"Sequence(seq_id={self.seq_id}, status={self.status.name}, len={self.get_len()})"
 
@@ -228,8 +236,11 @@ class SequenceGroup:
         seqs: list[Sequence],
         sampling_params: SamplingParams,
         arrival_time: float,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Under scheduling_policy="priority": lower values are served first.
+        self.priority = priority
         self.seqs = seqs
         self.seqs_dict = {seq.seq_id: seq for seq in seqs}
         self.sampling_params = sampling_params
@@ -269,8 +280,15 @@ class SequenceGroup:
         return len(self.get_seqs(status))
 
     def get_max_num_running_seqs(self) -> int:
-        """The most sequences this group can have running at once from now on."""
+        """The most sequences this group can have running at once from now on:
+        a prompt not yet sampled will fork into `best_of` sequences."""
+        if self.seqs[0].get_output_len() == 0:
+            return self.sampling_params.best_of
         return len(self.get_unfinished_seqs())
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+        self.seqs_dict[seq.seq_id] = seq
 
     def is_prefill(self) -> bool:
         return self.seqs[0].is_prefill()

@@ -204,6 +204,14 @@ class BlockSpaceManager:
         self.gpu_allocator.free(last_block)
         return [(last_block.block_number, new_block.block_number)]
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares all the parent's blocks: nothing is allocated or
+        copied now; the first write into a shared block copies it."""
+        block_table = self.block_tables[parent.seq_id].copy()
+        for block in block_table:
+            block.ref_count += 1
+        self.block_tables[child.seq_id] = block_table
+
     # -- swapping ----------------------------------------------------------
 
     def _unique_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> BlockTable:

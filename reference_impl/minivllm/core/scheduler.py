@@ -18,6 +18,10 @@ Running before swapped before waiting is the priority order: a running
 request arrived before any request it could preempt, and admitting new
 prompts while swapped or just-preempted requests wait would starve them.
 
+`scheduling_policy="priority"` forms batches the same way but orders every
+queue by each request's priority (lower first), then arrival: admission,
+swap-in and the choice of preemption victim (the queue's tail) follow it.
+
 `scheduling_policy="prefill_first"` is vLLM v0's classic default instead:
 while prompts wait (and nothing is swapped), a step is prefills only;
 decodes run only in steps with no prefill, and swapped requests come back
@@ -103,6 +107,17 @@ class Scheduler:
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        if (
+            scheduler_config.enable_chunked_prefill
+            and cache_config.enable_prefix_caching
+            and scheduler_config.max_num_batched_tokens < cache_config.block_size
+        ):
+            # Chunks are whole blocks then: a smaller budget fits none.
+            raise ValueError(
+                f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) must be "
+                f">= block_size ({cache_config.block_size}) with chunked prefill and prefix "
+                "caching, whose chunks are whole blocks"
+            )
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
@@ -142,13 +157,18 @@ class Scheduler:
     def free_seq(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
 
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        self.block_manager.fork(parent, child)
+
     def free_finished_seq_groups(self) -> None:
         self.running = deque(sg for sg in self.running if not sg.is_finished())
 
     # -- one step ------------------------------------------------------------
 
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+        self._sort_queues()  # new arrivals (and their priorities)
         scheduler_outputs = self._schedule()
+        self._sort_queues()  # preempted, swapped-in and admitted requests
         now = time.time()
         seq_group_metadata_list = []
         for scheduled in scheduler_outputs.scheduled_seq_groups:
@@ -172,6 +192,23 @@ class Scheduler:
                 )
             )
         return seq_group_metadata_list, scheduler_outputs
+
+    def _sort_queues(self) -> None:
+        """Put every queue in policy order: arrival, or priority then arrival.
+
+        Preempted, swapped-in and newly admitted requests join the queues in
+        the order things happen in a step; sorting restores the order that
+        admission and the choice of victim (the tail) rely on. Sorting an
+        already sorted queue is linear.
+        """
+        self.waiting = deque(sorted(self.waiting, key=self._queue_key))
+        self.running = deque(sorted(self.running, key=self._queue_key))
+        self.swapped = deque(sorted(self.swapped, key=self._queue_key))
+
+    def _queue_key(self, seq_group: SequenceGroup) -> tuple[int, float]:
+        if self.scheduler_config.scheduling_policy == "priority":
+            return seq_group.priority, seq_group.arrival_time
+        return 0, seq_group.arrival_time
 
     def _schedule(self) -> SchedulerOutputs:
         if self.scheduler_config.scheduling_policy == "prefill_first":
@@ -289,7 +326,8 @@ class Scheduler:
         chunks = []
         for seq_group in prefilling:
             seq = seq_group.get_seqs(SequenceStatus.RUNNING)[0]
-            budget.add(0, 1)  # it occupies a running slot, scheduled or not
+            # It holds its running slots, scheduled or not.
+            budget.add(0, seq_group.get_max_num_running_seqs())
             chunk = self._chunk_size(seq.get_num_new_tokens(), budget)
             if chunk:
                 budget.add(chunk, 0)
@@ -368,11 +406,14 @@ class Scheduler:
             # A partly prefilled prompt has little to save, and swapping it
             # back in would resume it as a decode: recompute it.
             mode = PreemptionMode.RECOMPUTE
+        elif seq_group.num_seqs(SequenceStatus.RUNNING) > 1:
+            # Sequences forked from one prompt hold different tokens in
+            # shared blocks: a prefill cannot rebuild that, so they swap.
+            mode = PreemptionMode.SWAP
         elif mode is None:
-            # vLLM's default: recomputing is cheaper than a round trip over
-            # PCIe for one sequence, but n sequences would each recompute.
-            single = seq_group.get_max_num_running_seqs() == 1
-            mode = PreemptionMode.RECOMPUTE if single else PreemptionMode.SWAP
+            # vLLM's default for one sequence: recomputing is cheaper than a
+            # round trip of its blocks over PCIe.
+            mode = PreemptionMode.RECOMPUTE
         self.num_cumulative_preemption += 1
         if self.num_cumulative_preemption % 50 == 1:
             logger.warning(
@@ -388,8 +429,7 @@ class Scheduler:
                 seq.status = SequenceStatus.WAITING
                 self.free_seq(seq)
                 seq.reset_state_for_recompute()
-            # Back to the front of the queue: it arrived before any waiting request.
-            self.waiting.appendleft(seq_group)
+            self.waiting.append(seq_group)  # sorted into place next step
         else:
             if not self.block_manager.can_swap_out(seq_group):
                 raise RuntimeError(
@@ -400,15 +440,8 @@ class Scheduler:
             out.blocks_to_swap_out += self.block_manager.swap_out(seq_group)
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
-            self._insert_swapped(seq_group)
+            self.swapped.append(seq_group)  # sorted into place next step
         out.preempted.append((seq_group, mode))
-
-    def _insert_swapped(self, seq_group: SequenceGroup) -> None:
-        """Keep `swapped` in arrival order (victims are chosen latest first)."""
-        index = len(self.swapped)
-        while index > 0 and self.swapped[index - 1].arrival_time > seq_group.arrival_time:
-            index -= 1
-        self.swapped.insert(index, seq_group)
 
     def _ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs, why: str) -> None:
         logger.warning("Request %s is ignored: %s.", seq_group.request_id, why)

@@ -40,6 +40,9 @@ class EngineArgs:
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = False
     scheduling_policy: str = "fcfs"
+    # Off by default, as in vLLM's `LLM`: the periodic throughput log line.
+    # `LLMEngine.get_stats()` works either way.
+    disable_log_stats: bool = True
     # Accepted so vLLM code runs unchanged; only their single-device,
     # eager values are possible here.
     tensor_parallel_size: int = 1

@@ -23,6 +23,7 @@ from transformers import GenerationConfig
 from minivllm.config import EngineConfig
 from minivllm.core.scheduler import Scheduler, SchedulerOutputs
 from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.metrics import StatLogger, Stats, build_stats
 from minivllm.engine.stop_checker import StopChecker
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.outputs import RequestOutput
@@ -40,9 +41,11 @@ from minivllm.worker.worker import Worker
 
 PromptType = str | dict
 
+_LOCAL_LOGGING_INTERVAL_SEC = 5.0  # vLLM's: one stats line every 5 s
+
 
 class LLMEngine:
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, log_stats: bool = False) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
@@ -63,10 +66,11 @@ class LLMEngine:
         # Requests aborted since the last step: their final outputs go out then.
         self._aborted: list[SequenceGroup] = []
         self._live_request_ids: set[str] = set()
+        self.stat_logger = StatLogger(log_interval=_LOCAL_LOGGING_INTERVAL_SEC, enabled=log_stats)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config())
+        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
 
     def _eos_token_ids(self) -> set[int]:
         """The tokenizer's EOS plus any the generation config adds (Llama 3
@@ -94,9 +98,15 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. `prompt` is a string, or {"prompt_token_ids": [...]}
-        (optionally with "prompt", its text)."""
+        (optionally with "prompt", its text). `priority` (lower first) needs
+        scheduling_policy="priority"."""
+        if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Request {request_id!r}: priority={priority} needs scheduling_policy='priority'"
+            )
         if request_id in self._live_request_ids:
             raise ValueError(
                 f"Request id {request_id!r} is already in use by an unfinished request"
@@ -117,8 +127,12 @@ class LLMEngine:
                 f"Request {request_id!r}: prompt token ids {bad[:5]} are outside the "
                 f"vocabulary [0, {vocab})"
             )
-        if params.n > 1:
-            raise NotImplementedError("n > 1 (parallel sampling) is not implemented yet; use n=1")
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        if params.best_of > max_num_seqs:
+            raise ValueError(
+                f"Request {request_id!r}: best_of={params.best_of} sequences can never run "
+                f"together under max_num_seqs={max_num_seqs}"
+            )
         if params.prompt_logprobs is not None and self.cache_config.enable_prefix_caching:
             # A cached prefix is never run through the model: its logits,
             # and so its prompt logprobs, do not exist.
@@ -131,13 +145,16 @@ class LLMEngine:
         params = copy.deepcopy(params)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.stop_checker.eos_token_ids
-        block_size = self.cache_config.block_size
+        # One sequence for the prompt; it forks into best_of after its prefill.
         seqs = [
-            Sequence(next(self.seq_counter), prompt_text, prompt_token_ids, block_size)
-            for _ in range(params.n)
+            Sequence(
+                next(self.seq_counter), prompt_text, prompt_token_ids, self.cache_config.block_size
+            )
         ]
         arrival_time = time.time() if arrival_time is None else arrival_time
-        self.scheduler.add_seq_group(SequenceGroup(request_id, seqs, params, arrival_time))
+        self.scheduler.add_seq_group(
+            SequenceGroup(request_id, seqs, params, arrival_time, priority)
+        )
         self._live_request_ids.add(request_id)
 
     def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -175,7 +192,17 @@ class LLMEngine:
             scheduler_outputs.blocks_to_swap_out,
             scheduler_outputs.blocks_to_copy,
         )
-        return self._process_model_outputs(output, scheduler_outputs)
+        request_outputs = self._process_model_outputs(output, scheduler_outputs)
+        self.stat_logger.log(
+            build_stats(self.scheduler, scheduler_outputs, seq_group_metadata_list)
+        )
+        return request_outputs
+
+    def get_stats(self) -> Stats:
+        """The last step's `Stats`; before the first step, the current state's."""
+        if self.stat_logger.last_stats is None:
+            return build_stats(self.scheduler)
+        return self.stat_logger.last_stats
 
     def _process_model_outputs(
         self, output: SamplerOutput, scheduler_outputs: SchedulerOutputs
@@ -188,8 +215,8 @@ class LLMEngine:
                 self._append_prompt_logprobs(seq_group, group_output.prompt_logprobs)
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 seq.data.update_num_computed_tokens(scheduled_group.token_chunk_size)
-            for sample in group_output.samples:
-                self._process_sample(seq_group, sample)
+            for seq, sample in self._assign_samples(seq_group, group_output.samples):
+                self._process_sample(seq_group, seq, sample)
             if group_output.samples:
                 seq_group.maybe_set_first_token_time(now)
             seq_group.metrics.last_token_time = now
@@ -204,9 +231,32 @@ class LLMEngine:
                 self._live_request_ids.discard(seq_group.request_id)
         return [RequestOutput.from_seq_group(sg) for sg in finished_now]
 
-    def _process_sample(self, seq_group: SequenceGroup, sample: SequenceOutput) -> None:
+    def _assign_samples(
+        self, seq_group: SequenceGroup, samples: list[SequenceOutput]
+    ) -> list[tuple[Sequence, SequenceOutput]]:
+        """Pair each sample with the sequence it extends.
+
+        A prompt's first step draws `best_of` samples from one sequence: it
+        keeps the first and forks a child for each other one. Children share
+        all the parent's blocks (nothing is copied until one writes into a
+        shared, partly filled block). Forks happen before any token is added.
+        """
+        pairs = []
+        for sample in samples:
+            parent = seq_group.seqs_dict[sample.parent_seq_id]
+            if any(seq is parent for seq, _ in pairs):
+                child = parent.fork(next(self.seq_counter))
+                self.scheduler.fork_seq(parent, child)
+                seq_group.add(child)
+                pairs.append((child, sample))
+            else:
+                pairs.append((parent, sample))
+        return pairs
+
+    def _process_sample(
+        self, seq_group: SequenceGroup, seq: Sequence, sample: SequenceOutput
+    ) -> None:
         """Append a sampled token, extend the text, and stop if it is done."""
-        seq = seq_group.seqs_dict[sample.parent_seq_id]
         params = seq_group.sampling_params
         seq.append_token_id(sample.output_token, sample.logprobs[sample.output_token].logprob)
         seq.output_logprobs.append(sample.logprobs)

@@ -34,12 +34,15 @@ class LLM:
         prompts: str | PromptType | Sequence[str | PromptType | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of
             strings, dicts or token-id lists.
         sampling_params: one for all prompts, or one per prompt.
+        priority: one per prompt, with scheduling_policy="priority" (lower
+            values first).
         """
         prompt_list = self._normalize_prompts(prompts)
         if sampling_params is None:
@@ -53,10 +56,15 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries but there are "
                     f"{len(prompt_list)} prompts: pass one SamplingParams or one per prompt"
                 )
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(
+                f"priority has {len(priorities)} entries but there are {len(prompt_list)} prompts"
+            )
         request_ids = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
+        for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
             request_id = str(next(self.request_counter))
-            self.llm_engine.add_request(request_id, prompt, params)
+            self.llm_engine.add_request(request_id, prompt, params, priority=prio)
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 

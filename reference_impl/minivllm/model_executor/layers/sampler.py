@@ -180,20 +180,29 @@ class Sampler(nn.Module):
         processed = self._process_logits(logits[sample_indices], rows)  # [num_rows, vocab_size]
         logprobs = torch.log_softmax(processed, dim=-1)
         probs = logprobs.exp()
-        tokens = []
-        for row, (sg, _) in enumerate(rows):
+        # Each row draws one token, except a prompt's first sample, which
+        # draws `best_of`: the sequences the request will fork into.
+        draws: list[tuple[int, int]] = []  # (row, token), rows in order
+        for row, (sg, seq_id) in enumerate(rows):
             if sg.sampling_params.sampling_type == SamplingType.GREEDY:
-                tokens.append(int(processed[row].argmax()))
-            else:
-                tokens.append(self._draw(probs[row], sg.generator or self.generator))
-        num_top = [sg.sampling_params.logprobs or 0 for sg, _ in rows]
-        sample_logprobs = get_position_logprobs(logprobs, tokens, num_top)
+                draws.append((row, int(processed[row].argmax())))
+                continue
+            first = not sg.seq_data[seq_id].output_token_ids
+            for _ in range(sg.sampling_params.best_of if first else 1):
+                draws.append((row, self._draw(probs[row], sg.generator or self.generator)))
+        draw_rows = [row for row, _ in draws]
+        tokens = [token for _, token in draws]
+        num_top = [rows[row][0].sampling_params.logprobs or 0 for row in draw_rows]
+        sample_logprobs = get_position_logprobs(logprobs[draw_rows], tokens, num_top)
 
+        samples_by_row: list[list[SequenceOutput]] = [[] for _ in rows]
+        for i, (row, token) in enumerate(draws):
+            samples_by_row[row].append(SequenceOutput(rows[row][1], token, sample_logprobs[i]))
         outputs, row = [], 0
         for sg in seq_groups:
             samples = []
-            for seq_id in sg.seq_ids if sg.sample_indices else []:
-                samples.append(SequenceOutput(seq_id, tokens[row], sample_logprobs[row]))
+            for _ in sg.seq_ids if sg.sample_indices else []:
+                samples += samples_by_row[row]
                 row += 1
             outputs.append(
                 CompletionSequenceGroupOutput(samples, self._prompt_logprobs(logits, sg))
