@@ -30,6 +30,7 @@ only in steps with no preemption. Same tokens, different batches.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -133,7 +134,7 @@ class Scheduler:
     # -- queue management ----------------------------------------------------
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
-        self.waiting.append(seq_group)
+        bisect.insort(self.waiting, seq_group, key=self._queue_key)
 
     def abort_seq_group(self, request_id: str) -> list[SequenceGroup]:
         """Finish a request as aborted, from whichever queue holds it, and
@@ -166,9 +167,8 @@ class Scheduler:
     # -- one step ------------------------------------------------------------
 
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
-        self._sort_queues()  # new arrivals (and their priorities)
         scheduler_outputs = self._schedule()
-        self._sort_queues()  # preempted, swapped-in and admitted requests
+        self._sort_queues()
         now = time.time()
         seq_group_metadata_list = []
         for scheduled in scheduler_outputs.scheduled_seq_groups:
@@ -196,10 +196,11 @@ class Scheduler:
     def _sort_queues(self) -> None:
         """Put every queue in policy order: arrival, or priority then arrival.
 
-        Preempted, swapped-in and newly admitted requests join the queues in
-        the order things happen in a step; sorting restores the order that
-        admission and the choice of victim (the tail) rely on. Sorting an
-        already sorted queue is linear.
+        New requests are inserted in order; preempted, swapped-in and
+        admitted ones join the queues in the order things happen in a step.
+        Sorting at the end of the step restores the order that admission and
+        the choice of victim (the tail) rely on; on a nearly sorted queue it
+        costs about one pass.
         """
         self.waiting = deque(sorted(self.waiting, key=self._queue_key))
         self.running = deque(sorted(self.running, key=self._queue_key))
@@ -429,7 +430,7 @@ class Scheduler:
                 seq.status = SequenceStatus.WAITING
                 self.free_seq(seq)
                 seq.reset_state_for_recompute()
-            self.waiting.append(seq_group)  # sorted into place next step
+            self.waiting.append(seq_group)  # sorted into place at the end of the step
         else:
             if not self.block_manager.can_swap_out(seq_group):
                 raise RuntimeError(
@@ -440,7 +441,7 @@ class Scheduler:
             out.blocks_to_swap_out += self.block_manager.swap_out(seq_group)
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq_group)  # sorted into place next step
+            self.swapped.append(seq_group)  # sorted into place at the end of the step
         out.preempted.append((seq_group, mode))
 
     def _ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs, why: str) -> None:
