@@ -52,7 +52,11 @@ class BlockAllocator:
             raise ValueError(f"Double free of {block}")
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_block_numbers.append(block.block_number)
+            self._release(block)
+
+    def _release(self, block: PhysicalTokenBlock) -> None:
+        """The last reference is gone: the block is free again."""
+        self.free_block_numbers.append(block.block_number)
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_block_numbers)

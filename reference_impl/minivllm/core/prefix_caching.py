@@ -52,12 +52,8 @@ class CachedBlockAllocator(BlockAllocator):
         del self.cached_blocks[block_hash]
         return PhysicalTokenBlock(self.device, victim.block_number, self.block_size, ref_count=1)
 
-    def free(self, block: PhysicalTokenBlock) -> None:
-        if block.ref_count == 0:
-            raise ValueError(f"Double free of {block}")
-        block.ref_count -= 1
-        if block.ref_count > 0:
-            return
+    def _release(self, block: PhysicalTokenBlock) -> None:
+        """A cached block stays findable in the evictor; others are wiped."""
         if self.cached_blocks.get(block.block_hash) is block:
             self.evictor[block.block_hash] = block  # most recently used: last
         else:
