@@ -9,23 +9,9 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.core.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceGroup
+from tests.engine_spies import batch_shapes, record_schedules
 from tests.hf_oracle import GREEDY, assert_matches_hf, make_prompts, poison_kv_cache
 from tests.test_block_manager_scheduler import simulate_model_step
-
-
-def record_batches(llm: LLM) -> list[list[tuple[bool, int, bool]]]:
-    """Per step: (is_prompt, token_chunk_size, do_sample) of each scheduled group."""
-    scheduler = llm.llm_engine.scheduler
-    steps: list[list[tuple[bool, int, bool]]] = []
-    original = scheduler.schedule
-
-    def schedule():
-        metadata, outputs = original()
-        steps.append([(m.is_prompt, m.token_chunk_size, m.do_sample) for m in metadata])
-        return metadata, outputs
-
-    scheduler.schedule = schedule
-    return steps
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -50,9 +36,10 @@ def test_chunked_outputs_match_hf(arch, extra, tiny_model_dir, hf_model):
         **kwargs,
     )
     poison_kv_cache(llm)
-    steps = record_batches(llm)
+    schedules = record_schedules(llm)
     prompts = make_prompts(384)  # lengths 1..60, most longer than the 16-token budget
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    steps = batch_shapes(schedules)
     assert_matches_hf(hf_model(arch), prompts, outputs)
     assert all(sum(n for _, n, _ in step) <= 16 for step in steps)
     # Chunking happened: some prefill chunks did not finish their prompt.
@@ -72,9 +59,10 @@ def test_a_lone_long_prompt_samples_only_on_its_last_chunk(tiny_model_dir, hf_mo
         max_num_batched_tokens=16,
         max_num_seqs=4,
     )
-    steps = record_batches(llm)
+    schedules = record_schedules(llm)
     prompt = make_prompts(384)[-1]  # 60 tokens: chunks of 16, 16, 16, 12
     out = llm.generate([prompt], GREEDY, use_tqdm=False)
+    steps = batch_shapes(schedules)
     assert steps[:4] == [
         [(True, 16, False)],
         [(True, 16, False)],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM
+from tests.engine_spies import record_block_moves
 from tests.hf_oracle import GREEDY, MAX_TOKENS, assert_matches_hf, make_prompts, poison_kv_cache
 from tools.tiny_models import ARCHS
 
@@ -44,24 +45,17 @@ def test_preemption_matches_hf(arch, mode, tiny_model_dir, hf_model, monkeypatch
     )
     poison_kv_cache(llm)
     engine = llm.llm_engine
-    moved = {"swap_in": 0, "swap_out": 0}
-    for name in moved:
-        original = getattr(engine.worker.cache_engine, name)
-
-        def spy(pairs, _name=name, _original=original):
-            moved[_name] += len(pairs)
-            _original(pairs)
-
-        monkeypatch.setattr(engine.worker.cache_engine, name, spy)
+    moves = record_block_moves(llm, monkeypatch)
 
     prompts = make_prompts(engine.model_config.hf_config.vocab_size)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(hf_model(arch), prompts, outputs)
     assert engine.scheduler.num_cumulative_preemption > 0
     if mode == "swap":
-        assert moved["swap_out"] > 0 and moved["swap_in"] == moved["swap_out"]
+        num_out, num_in = len(moves["swap_out"]), len(moves["swap_in"])
+        assert num_out > 0 and num_in == num_out
     else:
-        assert moved == {"swap_in": 0, "swap_out": 0}
+        assert moves["swap_in"] == moves["swap_out"] == []
     # Every block is back in the pools.
     bm = engine.scheduler.block_manager
     assert bm.get_num_free_gpu_blocks() == 12

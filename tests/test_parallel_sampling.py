@@ -9,21 +9,8 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import PreemptionMode
+from tests.engine_spies import record_block_moves, record_schedules
 from tests.hf_oracle import poison_kv_cache
-
-
-def spy_block_moves(llm: LLM, monkeypatch) -> dict[str, list]:
-    cache_engine = llm.llm_engine.worker.cache_engine
-    moves: dict[str, list] = {"copy": [], "swap_in": [], "swap_out": []}
-    for name in moves:
-        original = getattr(cache_engine, name)
-
-        def spy(pairs, _name=name, _original=original):
-            moves[_name] += pairs
-            _original(pairs)
-
-        monkeypatch.setattr(cache_engine, name, spy)
-    return moves
 
 
 def hf_cumulative_logprob(hf, prompt: list[int], tokens: list[int]) -> float:
@@ -42,7 +29,7 @@ def test_forks_copy_on_write_and_match_hf(
     # writes in place); a 16-token prompt fills its blocks: nothing to copy.
     llm = LLM(tiny_model_dir("llama"), block_size=8, num_gpu_blocks_override=32, swap_space=0.01)
     poison_kv_cache(llm)
-    moves = spy_block_moves(llm, monkeypatch)
+    moves = record_block_moves(llm, monkeypatch)
     prompt = list(range(30, 30 + prompt_len))
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -100,18 +87,11 @@ def test_forked_groups_preempt_by_swap_with_the_same_tokens(mode, tiny_model_dir
         preemption_mode=mode,
     )
     poison_kv_cache(tight)
-    moves = spy_block_moves(tight, monkeypatch)
-    modes = []
-    scheduler = tight.llm_engine.scheduler
-    original = scheduler.schedule
-
-    def schedule():
-        metadata, outputs = original()
-        modes.extend(m for _, m in outputs.preempted)
-        return metadata, outputs
-
-    scheduler.schedule = schedule
+    moves = record_block_moves(tight, monkeypatch)
+    schedules = record_schedules(tight)
     outputs = tight.generate(prompts, params, use_tqdm=False)
+    modes = [mode for _, out in schedules for _, mode in out.preempted]
+    scheduler = tight.llm_engine.scheduler
     assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
     # Forked groups always swap, even when recompute was asked for.
     assert PreemptionMode.SWAP in modes and moves["swap_out"] and moves["swap_in"]

@@ -11,6 +11,7 @@ from minivllm.core.block_allocator import Device
 from minivllm.core.block_manager import BlockSpaceManager
 from minivllm.core.prefix_caching import CachedBlockAllocator, hash_block_tokens
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from tests.engine_spies import prefill_tokens, record_schedules
 from tests.hf_oracle import GREEDY, assert_matches_hf, poison_kv_cache
 
 
@@ -18,21 +19,6 @@ def shared_prefix_prompts(system_len: int, suffix_lens: list[int], seed: int = 0
     g = torch.Generator().manual_seed(seed)
     system = torch.randint(2, 384, (system_len,), generator=g).tolist()
     return [system + torch.randint(2, 384, (n,), generator=g).tolist() for n in suffix_lens]
-
-
-def count_prefill_tokens(llm: LLM) -> list[int]:
-    """Record, per step, the prefill tokens the scheduler hands the model."""
-    scheduler = llm.llm_engine.scheduler
-    counts: list[int] = []
-    original = scheduler.schedule
-
-    def schedule():
-        metadata, outputs = original()
-        counts.append(sum(m.token_chunk_size for m in metadata if m.is_prompt))
-        return metadata, outputs
-
-    scheduler.schedule = schedule
-    return counts
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
@@ -63,18 +49,18 @@ def test_shared_system_prompt_is_computed_once(tiny_model_dir):
     results = {}
     for caching in (False, True):
         llm = LLM(tiny_model_dir("llama"), enable_prefix_caching=caching)
-        counts = count_prefill_tokens(llm)
+        schedules = record_schedules(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[caching] = [o.outputs[0].token_ids for o in outs]
         bm = llm.llm_engine.scheduler.block_manager
         if caching:
             # The first request computes all 53; the other five find the
             # system prompt's 3 blocks, admitted in the same step, and compute 5.
-            assert counts[0] == 53 + 5 * 5
+            assert prefill_tokens(schedules)[0] == 53 + 5 * 5
             assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (6 * 3, 5 * 3)
             assert bm.prefix_cache_hit_rate == pytest.approx(15 / 18)
         else:
-            assert counts[0] == 6 * 53
+            assert prefill_tokens(schedules)[0] == 6 * 53
             assert bm.prefix_cache_queries == 0
     assert results[True] == results[False]
 
@@ -86,10 +72,10 @@ def test_freed_blocks_stay_cached_until_evicted(tiny_model_dir):
     first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (4, 0)
     # The request finished and freed its blocks; they wait in the evictor.
-    counts = count_prefill_tokens(llm)
+    schedules = record_schedules(llm)
     again = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (8, 4)
-    assert counts[0] == 1  # only the last token is computed
+    assert prefill_tokens(schedules)[0] == 1  # only the last token is computed
     assert again == first
 
 
@@ -97,11 +83,11 @@ def test_a_fully_cached_prompt_still_computes_its_last_block(tiny_model_dir):
     llm = LLM(tiny_model_dir("llama"), enable_prefix_caching=True, block_size=8)
     prompt = list(range(2, 34))  # 32 tokens: exactly 4 full blocks
     llm.generate([prompt], GREEDY, use_tqdm=False)
-    counts = count_prefill_tokens(llm)
+    schedules = record_schedules(llm)
     llm.generate([prompt], GREEDY, use_tqdm=False)
     # (32 - 1) // 8 = 3 blocks may come from the cache; the 4th holds the
     # last token, whose logits are needed, and is computed: 8 tokens.
-    assert counts[0] == 8
+    assert prefill_tokens(schedules)[0] == 8
 
 
 # -- the allocator and block manager, by hand ---------------------------------------

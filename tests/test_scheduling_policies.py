@@ -8,9 +8,9 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import CacheConfig, PreemptionMode, SchedulerConfig
 from minivllm.core.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceGroup
+from tests.engine_spies import batch_shapes, record_schedules
 from tests.hf_oracle import GREEDY, assert_matches_hf, make_prompts, poison_kv_cache
 from tests.test_block_manager_scheduler import simulate_model_step
-from tests.test_chunked_prefill import record_batches
 
 
 @pytest.mark.parametrize("blocks", [64, 12])
@@ -30,11 +30,11 @@ def test_policies_give_hf_tokens_in_different_batches(blocks, tiny_model_dir, hf
             scheduling_policy=policy,
         )
         poison_kv_cache(llm)
-        steps = record_batches(llm)
+        schedules = record_schedules(llm)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         for prompt, output, p in zip(prompts, outputs, params, strict=True):
             assert_matches_hf(hf_model("llama"), [prompt], [output], max_tokens=p.max_tokens)
-        batches[policy] = steps
+        batches[policy] = batch_shapes(schedules)
         assert (llm.llm_engine.scheduler.num_cumulative_preemption > 0) == (blocks == 12)
 
     def mixed(step):
