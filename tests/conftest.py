@@ -3,6 +3,8 @@ loaded through the engine's real loading path."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -34,3 +36,22 @@ def hf_model(tiny_model_dir):
         return loaded[arch]
 
     return get
+
+
+def cuda_kernels_unavailable() -> str | None:
+    """Why the CUDA kernels cannot run here (None: they can)."""
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
+    if importlib.util.find_spec("cupy") is None:
+        return "needs CuPy: pip install -e '.[cuda]'"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped, with the reason, where no GPU can run them."""
+    reason = cuda_kernels_unavailable()
+    if reason is None:
+        return
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))

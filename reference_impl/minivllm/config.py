@@ -51,6 +51,8 @@ class ModelConfig:
     (config.json, safetensors weights, tokenizer files) or a hub id.
     `dtype="auto"` means float32 on the CPU and the checkpoint's own dtype on
     a GPU: CPUs are slow and inexact in half precision, GPUs are built for it.
+    `dry_run` loads no weights: the engine runs its real scheduler on
+    pseudo-random tokens (worker/dry_run_worker.py), for scheduling studies.
     """
 
     model: str
@@ -60,6 +62,10 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     device: str = "cpu"
+    dry_run: bool = False
+    # The attention implementation, resolved by EngineArgs once the block
+    # size is known (attention/selector.py); the reference if built directly.
+    attention_backend: str = field(default="torch", init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     local_path: str = field(init=False)
 

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from minivllm.attention.backends.abstract import AttentionMetadata
-from minivllm.attention.backends.torch_paged import TorchPagedAttention
-from minivllm.attention.kv_cache import write_to_kv_cache
+from minivllm.attention.selector import get_attn_backend
 
 
 class Attention(nn.Module):
@@ -23,7 +22,8 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
-        self.impl = TorchPagedAttention(num_heads, head_size, scale, self.num_kv_heads)
+        # The backend chosen by the engine (attention/selector.py).
+        self.impl = get_attn_backend()(num_heads, head_size, scale, self.num_kv_heads)
 
     def forward(
         self,
@@ -37,6 +37,7 @@ class Attention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_size)
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        # The kv_cache.py ordering rule: the whole batch's K/V first, then attention.
+        self.impl.write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         output = self.impl.forward(query, kv_cache, attn_metadata)
         return output.view(num_tokens, self.num_heads * self.head_size)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from minivllm.assets import DEFAULT_MODEL
+from minivllm.attention.selector import select_attention_backend
 from minivllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -27,6 +29,12 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     device: str = "auto"
+    # No model: pseudo-random tokens through the real scheduler, for tracing
+    # and timing scheduling alone (worker/dry_run_worker.py).
+    dry_run: bool = False
+    # "torch" | "numba" | "cuda"; None: $MINIVLLM_ATTENTION_BACKEND, else
+    # "auto" (attention/selector.py).
+    attention_backend: str | None = None
     # KV cache
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -61,11 +69,6 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        if self.model is None:
-            raise ValueError(
-                "model must be given: the path of a Hugging Face checkpoint directory "
-                "(config.json, *.safetensors, tokenizer files) or a hub id"
-            )
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size must be 1 (minivllm runs on one device), "
@@ -73,13 +76,16 @@ class EngineArgs:
             )
         device_config = DeviceConfig(self.device)
         model_config = ModelConfig(
-            model=self.model,
+            # No model named: the small story model that ships in the package,
+            # so `LLM()` works offline and prints readable text.
+            model=DEFAULT_MODEL if self.model is None else self.model,
             tokenizer=self.tokenizer,
             trust_remote_code=self.trust_remote_code,
             dtype=self.dtype,
             seed=self.seed,
             max_model_len=self.max_model_len,
             device=device_config.device,
+            dry_run=self.dry_run,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -88,6 +94,13 @@ class EngineArgs:
             swap_space=self.swap_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+        )
+        model_config.attention_backend = select_attention_backend(
+            self.attention_backend,
+            device_config.device,
+            model_config.dtype,
+            model_config.get_head_size(),
+            cache_config.block_size,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

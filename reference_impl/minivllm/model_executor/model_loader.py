@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.attention.selector import set_attn_backend
 from minivllm.config import ModelConfig
 from minivllm.model_executor.models import get_model_class
 from minivllm.model_executor.weight_utils import safetensors_weights_iterator
@@ -17,7 +18,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     try:
         # Parameters are created directly on the device in the model dtype;
         # buffers made with an explicit dtype (RoPE's cos/sin) stay float32.
-        with torch.device(device):
+        # Every Attention layer picks up the engine's attention backend.
+        with torch.device(device), set_attn_backend(model_config.attention_backend):
             model = model_class(model_config.hf_config)
     finally:
         torch.set_default_dtype(default_dtype)

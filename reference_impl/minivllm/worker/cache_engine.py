@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm import _custom_ops as ops
 from minivllm.attention.kv_cache import get_kv_cache_shape
 from minivllm.config import CacheConfig, ModelConfig
 
@@ -22,6 +23,7 @@ class CacheEngine:
         self.num_kv_heads = model_config.get_num_kv_heads()
         self.head_size = model_config.get_head_size()
         self.dtype = model_config.dtype
+        self.attention_backend = model_config.attention_backend
         self.gpu_cache = self._allocate(cache_config.num_gpu_blocks, device)
         # Pinned host memory makes device<->host copies asynchronous on a GPU.
         pin = device.type == "cuda"
@@ -61,7 +63,10 @@ class CacheEngine:
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device blocks: copy-on-write of shared blocks."""
-        self._copy_blocks(self.gpu_cache, self.gpu_cache, pairs)
+        if self.attention_backend == "cuda":
+            ops.copy_blocks(self.gpu_cache, pairs)
+        else:
+            self._copy_blocks(self.gpu_cache, self.gpu_cache, pairs)
 
     @staticmethod
     def get_cache_block_size(block_size: int, model_config: ModelConfig) -> int:

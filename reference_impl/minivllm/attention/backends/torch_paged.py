@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention.backends.abstract import AttentionMetadata
-from minivllm.attention.kv_cache import gather_kv
+from minivllm.attention.kv_cache import gather_kv, write_to_kv_cache
 
 
 class TorchPagedAttention:
@@ -24,6 +24,9 @@ class TorchPagedAttention:
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
+
+    # Storing this step's K/V at their slots; the CUDA backend swaps in its kernel.
+    write_to_kv_cache = staticmethod(write_to_kv_cache)
 
     def forward(
         self,

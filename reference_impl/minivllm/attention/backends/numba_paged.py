@@ -1,0 +1,35 @@
+"""`attention_backend="numba"`: decodes by the Numba CPU kernel.
+
+Prefills keep the PyTorch reference path; decodes, one query token per
+sequence, go to `ops/paged_attn_numba.py`, which reads K/V straight from the
+blocks instead of gathering a padded copy first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
+
+
+class NumbaPagedAttention(TorchPagedAttention):
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        block_tables: torch.Tensor,  # [num_decodes, max_blocks]
+        seq_lens: torch.Tensor,  # [num_decodes]
+    ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
+        out = torch.empty_like(query)
+        # .numpy() shares memory with the CPU tensors: no copies.
+        paged_attention_decode(
+            out.numpy(),
+            query.contiguous().numpy(),
+            kv_cache[0].numpy(),
+            kv_cache[1].numpy(),
+            block_tables.numpy(),
+            seq_lens.numpy(),
+            self.scale,
+        )
+        return out

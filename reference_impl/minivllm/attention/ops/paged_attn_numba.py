@@ -1,0 +1,74 @@
+"""Decode paged attention on the CPU, compiled by Numba.
+
+The PyTorch reference (`backends/torch_paged.py`) first *gathers* every
+sequence's blocks into a padded contiguous copy, then attends. This kernel
+reads each key and value row straight from its block, the way the CUDA kernel
+does, and never touches a slot past a sequence's end.
+
+Work is split over (sequence, KV head) pairs with `prange`: with grouped-query
+attention the query heads that share a KV head are computed together, so each
+K/V row is loaded once for the whole group. Scores, softmax and the weighted
+sum are accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+
+@numba.njit(parallel=True, cache=True)
+def paged_attention_decode(
+    out: np.ndarray,  # [num_seqs, num_heads, head_size]
+    query: np.ndarray,  # [num_seqs, num_heads, head_size]
+    key_cache: np.ndarray,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: np.ndarray,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables: np.ndarray,  # [num_seqs, max_blocks_per_seq], int64
+    seq_lens: np.ndarray,  # [num_seqs], int64, each >= 1
+    scale: float,
+) -> None:
+    num_seqs, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads  # query heads per KV head
+    for work in numba.prange(num_seqs * num_kv_heads):
+        seq, kv_head = work // num_kv_heads, work % num_kv_heads
+        seq_len = seq_lens[seq]
+        first_head = kv_head * group
+        q = query[seq, first_head : first_head + group].astype(np.float32)  # [group, head_size]
+
+        # Scores for every token, for each query head of the group.
+        logits = np.empty((group, seq_len), dtype=np.float32)
+        for t in range(seq_len):
+            block = block_tables[seq, t // block_size]
+            k = key_cache[block, t % block_size, kv_head]  # [head_size], a view into the block
+            for g in range(group):
+                dot = np.float32(0.0)
+                for d in range(head_size):
+                    dot += q[g, d] * k[d]
+                logits[g, t] = dot * scale
+
+        # Softmax numerators, relative to each head's max for stability.
+        inv_sums = np.empty(group, dtype=np.float32)
+        for g in range(group):
+            m = logits[g].max()
+            s = np.float32(0.0)
+            for t in range(seq_len):
+                e = math.exp(logits[g, t] - m)
+                logits[g, t] = e
+                s += e
+            inv_sums[g] = 1.0 / s
+
+        # Probability-weighted sum of V rows.
+        acc = np.zeros((group, head_size), dtype=np.float32)
+        for t in range(seq_len):
+            block = block_tables[seq, t // block_size]
+            v = value_cache[block, t % block_size, kv_head]  # [head_size]
+            for g in range(group):
+                p = logits[g, t]
+                for d in range(head_size):
+                    acc[g, d] += p * v[d]
+        for g in range(group):
+            for d in range(head_size):
+                out[seq, first_head + g, d] = acc[g, d] * inv_sums[g]

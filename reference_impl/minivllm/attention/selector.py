@@ -1,0 +1,115 @@
+"""Choosing the attention backend: `attention_backend="torch" | "numba" | "cuda"`.
+
+- "torch": the PyTorch reference (`backends/torch_paged.py`), any device, any dtype.
+- "numba": decode attention by the Numba CPU kernel; CPU, float32.
+- "cuda": decode attention by the CUDA kernels of `csrc/`, compiled with CuPy;
+  a GPU, fp32/fp16/bf16, the head and block sizes the kernels are built for.
+
+Prefills always run through the PyTorch path: like vLLM v0's PagedAttention,
+the kernels here are decode kernels.
+
+The option comes from `LLM(attention_backend=...)`, else from the environment
+variable MINIVLLM_ATTENTION_BACKEND (vLLM reads VLLM_ATTENTION_BACKEND), else
+"auto": "cuda" when a GPU and CuPy are present, else the CPU kernel, else the
+reference.
+
+The engine resolves the name once (`select_attention_backend`), then builds the
+model inside `set_attn_backend(name)`, so that every `Attention` layer picks
+the same implementation without models passing it down (vLLM does the same
+with its current-config context).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+import torch
+
+from minivllm.attention.backends.torch_paged import TorchPagedAttention
+
+ATTENTION_BACKENDS = ("torch", "numba", "cuda")
+ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
+
+_current_backend: ContextVar[str] = ContextVar("attention_backend", default="torch")
+
+
+def _cuda_problems(device: str, dtype: torch.dtype, head_size: int, block_size: int) -> list[str]:
+    """Why the CUDA kernels cannot serve this configuration (empty: they can)."""
+    from minivllm import _custom_ops as ops
+
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append(
+            "an NVIDIA GPU visible to torch (torch.cuda.is_available() is False: no GPU, "
+            "or a CPU-only build of torch)"
+        )
+    elif device != "cuda":
+        problems.append(f"device='cuda' (got device={device!r})")
+    if importlib.util.find_spec("cupy") is None:
+        problems.append(ops.CUPY_MISSING)
+    if dtype not in ops.CUDA_DTYPES:
+        problems.append(f"dtype float32, float16 or bfloat16 (got {dtype})")
+    if head_size not in ops.SUPPORTED_HEAD_SIZES:
+        problems.append(f"head_size in {ops.SUPPORTED_HEAD_SIZES} (the model's is {head_size})")
+    if block_size not in ops.SUPPORTED_BLOCK_SIZES:
+        problems.append(f"block_size in {ops.SUPPORTED_BLOCK_SIZES} (got {block_size})")
+    return problems
+
+
+def select_attention_backend(
+    requested: str | None, device: str, dtype: torch.dtype, head_size: int, block_size: int
+) -> str:
+    """Resolve `requested` (None: the environment variable, else "auto") to a backend name."""
+    if requested is None:
+        requested = os.environ.get(ENV_VAR, "auto")
+    if requested not in (*ATTENTION_BACKENDS, "auto"):
+        raise ValueError(
+            f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto', got {requested!r} "
+            f"(from the argument or ${ENV_VAR})"
+        )
+    if requested == "auto":
+        if device == "cuda":
+            return "torch" if _cuda_problems(device, dtype, head_size, block_size) else "cuda"
+        return "numba" if dtype == torch.float32 else "torch"
+    if requested == "numba" and (device != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"attention_backend='numba' runs on the CPU in float32, got "
+            f"device={device!r}, dtype={dtype}; use attention_backend='torch' otherwise"
+        )
+    if requested == "cuda":
+        problems = _cuda_problems(device, dtype, head_size, block_size)
+        if problems:
+            raise RuntimeError(
+                "attention_backend='cuda' needs: " + "; ".join(problems) + ". "
+                "Without a GPU use attention_backend='numba' (CPU kernel) or 'torch' (reference)."
+            )
+    return requested
+
+
+@contextlib.contextmanager
+def set_attn_backend(name: str) -> Iterator[None]:
+    """Within this block, new `Attention` layers use backend `name`."""
+    token = _current_backend.set(name)
+    try:
+        yield
+    finally:
+        _current_backend.reset(token)
+
+
+def get_attn_backend() -> type[TorchPagedAttention]:
+    """The implementation class of the current backend (the reference outside
+    `set_attn_backend`)."""
+    name = _current_backend.get()
+    if name == "numba":
+        from minivllm.attention.backends.numba_paged import NumbaPagedAttention
+
+        return NumbaPagedAttention
+    if name == "cuda":
+        from minivllm.attention.backends.cuda_paged import CudaPagedAttention
+
+        return CudaPagedAttention
+    return TorchPagedAttention

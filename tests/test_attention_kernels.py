@@ -1,0 +1,208 @@
+"""The paged-attention kernels that run without a GPU, against the PyTorch reference.
+
+- the Numba CPU kernel (`ops/paged_attn_numba.py`) over a sweep of shapes;
+- the numba.cuda teaching kernel in Numba's CUDA simulator (a subprocess,
+  since the simulator must be switched on before numba is imported);
+- the CUDA sources compiled to PTX by nvcc for sm_80 and sm_90, every
+  template instantiation the loader can ask for;
+- the engine with attention_backend="numba" against "torch", and the
+  backend selection errors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm import _custom_ops as ops
+from minivllm.attention.backends.numba_paged import NumbaPagedAttention
+from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from minivllm.attention.layer import Attention
+from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
+from minivllm.attention.selector import ENV_VAR, select_attention_backend
+from tests.kernel_cases import lengths_around_blocks, make_decode_case
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_numba_kernel(case) -> torch.Tensor:
+    out = torch.empty_like(case.query)
+    paged_attention_decode(
+        out.numpy(),
+        case.query.numpy(),
+        case.kv_cache[0].numpy(),
+        case.kv_cache[1].numpy(),
+        case.block_tables.numpy(),
+        case.seq_lens.numpy(),
+        case.scale,
+    )
+    return out
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("head_size", [16, 80])
+def test_numba_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_size):
+    case = make_decode_case(
+        lengths_around_blocks(block_size), num_heads, num_kv_heads, head_size, block_size
+    )
+    out = run_numba_kernel(case)
+    assert not out.isnan().any(), "the kernel read a slot no sequence owns"
+    torch.testing.assert_close(out, case.reference(), atol=1e-5, rtol=1e-5)
+
+
+def test_numba_kernel_detects_a_wrong_block_table():
+    """The comparison has teeth: pointing the last block-table entry at another
+    (readable) block changes the output."""
+    case = make_decode_case([40], 4, 2, 16, 16, seed=3)
+    expected = case.reference()
+    assert case.block_tables[0, 2] != case.block_tables[0, 0]
+    case.block_tables[0, 2] = case.block_tables[0, 0]
+    out = run_numba_kernel(case)
+    assert not out.isnan().any()
+    assert not torch.allclose(out, expected, atol=1e-3)
+
+
+SIMULATOR_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    from minivllm.attention.ops.paged_attn_numba_cuda import paged_attention_v1
+    from tests.kernel_cases import lengths_around_blocks, make_decode_case
+
+    # (block_size, num_heads, num_kv_heads, head_size, num_threads)
+    for bs, nh, nkv, hs, nt in [(8, 2, 1, 32, 64), (16, 4, 2, 80, 64), (32, 2, 2, 32, 128)]:
+        case = make_decode_case(lengths_around_blocks(bs), nh, nkv, hs, bs, seed=bs)
+        out = paged_attention_v1(
+            case.query.numpy(), case.kv_cache[0].numpy(), case.kv_cache[1].numpy(),
+            case.block_tables.numpy(), case.seq_lens.numpy(), case.scale, num_threads=nt,
+        )
+        np.testing.assert_allclose(out, case.reference().numpy(), atol=1e-5, rtol=1e-5)
+        print("ok", bs, nh, nkv, hs, nt)
+    """
+)
+
+
+@pytest.mark.slow
+def test_teaching_kernel_in_cuda_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "reference_impl"), REPO])
+    result = subprocess.run(
+        [sys.executable, "-c", SIMULATOR_SCRIPT],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ok") == 3
+
+
+def instantiation_source(source: str) -> str:
+    """A .cu file that includes `source` and takes the address of every kernel
+    instantiation the loader can request, so nvcc compiles each of them."""
+    names: list[str] = []
+    for dtype in ops.CUDA_DTYPES:
+        if source == "paged_attention.cu":
+            for head_size in ops.SUPPORTED_HEAD_SIZES:
+                for block_size in ops.SUPPORTED_BLOCK_SIZES:
+                    names += ops.paged_attention_kernel_names(dtype, head_size, block_size)
+        else:
+            names += ops.cache_kernel_names(dtype)
+    # The reduce kernel does not depend on the block size: keep each name once.
+    body = "\n".join(f"  (void)&{name};" for name in dict.fromkeys(names))
+    return f'#include "{source}"\nvoid instantiate_all() {{\n{body}\n}}\n'
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA toolkit) is not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source", ["paged_attention.cu", "cache_kernels.cu"])
+def test_cuda_sources_compile_to_ptx(tmp_path, arch, source):
+    wrapper = tmp_path / f"all_{source}"
+    wrapper.write_text(instantiation_source(source))
+    ptx = tmp_path / "out.ptx"
+    cmd = ["nvcc", "--ptx", "-std=c++17", f"-arch={arch}", f"-I{ops.CSRC_DIR}", str(wrapper)]
+    result = subprocess.run(cmd + ["-o", str(ptx)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower(), result.stderr
+    text = ptx.read_text()
+    assert f".target {arch}" in text
+    kernel = "paged_attention_v2_reduce_kernel" if source == "paged_attention.cu" else "copy_blocks"
+    assert text.count(".entry") == instantiation_source(source).count("(void)&")
+    assert kernel in text
+
+
+# The engine with each backend ------------------------------------------------
+
+
+def test_engine_numba_backend_matches_torch(tiny_model_dir):
+    """Greedy tokens with the Numba decode kernel equal the reference backend's,
+    for plain, GQA and multi-block sequences (block_size 8, up to 60 + 24 tokens)."""
+    model = tiny_model_dir("llama")  # 4 query heads, 2 KV heads
+    prompts = [[(7 * i + 3 * j) % 300 + 2 for j in range(n)] for i, n in enumerate([1, 9, 31, 60])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "numba"):
+        llm = LLM(model, attention_backend=backend, block_size=8)
+        impl_class = NumbaPagedAttention if backend == "numba" else TorchPagedAttention
+        model_modules = llm.llm_engine.worker.model_runner.model.modules()
+        impls = [m.impl for m in model_modules if isinstance(m, Attention)]
+        assert impls and all(type(impl) is impl_class for impl in impls)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outputs[backend] = [o.outputs[0].token_ids for o in outs]
+    assert outputs["numba"] == outputs["torch"]
+
+
+def test_default_backend_on_cpu_is_the_numba_kernel(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert select_attention_backend(None, "cpu", torch.float32, 64, 16) == "numba"
+    # Numba has no bfloat16: the reference serves it.
+    assert select_attention_backend(None, "cpu", torch.bfloat16, 64, 16) == "torch"
+
+
+def test_backend_from_environment(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert select_attention_backend(None, "cpu", torch.float32, 64, 16) == "torch"
+    # An explicit argument wins over the environment.
+    assert select_attention_backend("numba", "cpu", torch.float32, 64, 16) == "numba"
+    monkeypatch.setenv(ENV_VAR, "flash")
+    with pytest.raises(ValueError, match=r"attention_backend must be one of .*'flash'"):
+        select_attention_backend(None, "cpu", torch.float32, 64, 16)
+
+
+def test_numba_backend_refuses_bfloat16():
+    with pytest.raises(ValueError, match=r"attention_backend='numba'.*bfloat16"):
+        select_attention_backend("numba", "cpu", torch.bfloat16, 64, 16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the error on a machine without a GPU")
+def test_cuda_backend_without_gpu_says_what_is_missing():
+    with pytest.raises(RuntimeError) as info:
+        select_attention_backend("cuda", "cpu", torch.float32, 64, 16)
+    message = str(info.value)
+    assert "attention_backend='cuda' needs" in message
+    assert "torch.cuda.is_available() is False" in message
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        assert "pip install -e '.[cuda]'" in message
+    assert "attention_backend='numba'" in message  # and what to use instead
+
+
+def test_cuda_backend_lists_unsupported_shapes():
+    with pytest.raises(RuntimeError, match=r"head_size in .* \(the model's is 24\).*block_size"):
+        select_attention_backend("cuda", "cpu", torch.float32, 24, 64)
+
+
+def test_engine_rejects_unknown_backend(tiny_model_dir):
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        LLM(tiny_model_dir("llama"), attention_backend="xformers")
+

@@ -1,0 +1,127 @@
+"""The CUDA kernels of `csrc/` on a GPU (marker `cuda`: skipped without one).
+
+Both decode versions against the PyTorch reference over dtypes, head sizes,
+block sizes, GQA ratios and long random contexts; the cache kernels exactly;
+and the engine with the `cuda` backend against the `torch` backend.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm import _custom_ops as ops
+from tests.kernel_cases import lengths_around_blocks, make_decode_case
+from tools.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.cuda
+
+# (atol, rtol): outputs are rounded to the dtype, so allow about one unit in
+# the last place of each.
+TOLERANCE = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+
+
+def run_kernel(version: str, case) -> torch.Tensor:
+    out = torch.empty_like(case.query)
+    kernel = ops.paged_attention_v1 if version == "v1" else ops.paged_attention_v2
+    max_seq_len = int(case.seq_lens.max())
+    kv = case.kv_cache
+    kernel(out, case.query, kv[0], kv[1], case.block_tables, case.seq_lens, case.scale, max_seq_len)
+    torch.cuda.synchronize()
+    return out
+
+
+def check(version: str, case, dtype) -> None:
+    out = run_kernel(version, case)
+    assert not out.isnan().any(), "the kernel read a slot no sequence owns"
+    # The reference computes in float32 from the same half-precision inputs.
+    expected = case.reference()
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", ops.SUPPORTED_HEAD_SIZES)
+@pytest.mark.parametrize("block_size", ops.SUPPORTED_BLOCK_SIZES)
+def test_paged_attention_short_contexts(version, dtype, head_size, block_size):
+    """Lengths around block boundaries, GQA 4:1."""
+    case = make_decode_case(
+        lengths_around_blocks(block_size), 8, 2, head_size, block_size, dtype, device="cuda"
+    )
+    check(version, case, dtype)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 1)])
+@pytest.mark.parametrize("block_size", ops.SUPPORTED_BLOCK_SIZES)
+def test_paged_attention_long_random_contexts(version, dtype, num_heads, num_kv_heads, block_size):
+    """Up to 7 sequences of random lengths up to 4500 (several v2 partitions)."""
+    rng = random.Random(f"{version} {dtype} {num_heads} {num_kv_heads} {block_size}")
+    seq_lens = [rng.randint(1, 4500) for _ in range(rng.randint(1, 7))]
+    seq_lens[0] = 4500
+    case = make_decode_case(
+        seq_lens, num_heads, num_kv_heads, 128, block_size, dtype, len(seq_lens), "cuda"
+    )
+    check(version, case, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reshape_and_cache_is_exact(dtype):
+    num_blocks, block_size, num_kv_heads, head_size = 10, 16, 2, 64
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).to("cuda", dtype)
+    expected = kv_cache.clone()
+    # K and V as the model hands them: views into one fused qkv projection.
+    qkv = torch.randn(7, 3 * num_kv_heads * head_size).to("cuda", dtype)
+    key = qkv[:, num_kv_heads * head_size : 2 * num_kv_heads * head_size]
+    value = qkv[:, 2 * num_kv_heads * head_size :]
+    key = key.view(7, num_kv_heads, head_size)
+    value = value.view(7, num_kv_heads, head_size)
+    slots = torch.tensor([5, -1, 16, 17, 159, -1, 40], device="cuda")
+    ops.reshape_and_cache(key, value, kv_cache, slots)
+    flat = expected.view(2, num_blocks * block_size, num_kv_heads, head_size)
+    keep = slots >= 0
+    flat[0, slots[keep]] = key[keep]
+    flat[1, slots[keep]] = value[keep]
+    assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_copy_blocks_is_exact(dtype):
+    layers = [torch.randn(2, 12, 8, 2, 64).to("cuda", dtype) for _ in range(3)]
+    expected = [t.clone() for t in layers]
+    pairs = [(3, 7), (0, 11), (5, 2)]
+    ops.copy_blocks(layers, pairs)
+    torch.cuda.synchronize()
+    for t in expected:
+        for src, dst in pairs:
+            t[:, dst] = t[:, src]
+    for got, want in zip(layers, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_engine_cuda_backend_matches_torch_backend(tmp_path):
+    """float32, so the two backends differ only by summation order: greedy and
+    seeded sampling (n=2, which exercises copy_blocks) give the same tokens."""
+    # head_size 64 (a kernel size), GQA 4:2, random weights with clear greedy winners.
+    model = make_tiny_model(
+        "llama", str(tmp_path / "m"), hidden_size=256, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=512,
+    )
+    prompts = [[(5 * i + 11 * j) % 300 + 2 for j in range(n)] for i, n in enumerate([1, 17, 70])]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    pair = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "cuda"):
+        llm = LLM(model, device="cuda", dtype="float32", attention_backend=backend, block_size=16)
+        outs = llm.generate(prompts + prompts[1:2], [greedy] * 3 + [pair], use_tqdm=False)
+        results[backend] = [[c.token_ids for c in o.outputs] for o in outs]
+    assert results["cuda"] == results["torch"]
