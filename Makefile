@@ -16,7 +16,12 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) "$(TORCH_SPEC)"
-	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) -e ".[dev]"
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) -e ".[dev,trace]"
+	@# Graphviz's dot draws the tracer's block diagrams (minivllm-trace render).
+	@command -v dot >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q graphviz >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1; }; }; } || \
+		echo "note: Graphviz (dot) is not installed; minivllm-trace render needs it: apt-get install graphviz, brew install graphviz or conda install graphviz"
 	touch $@
 
 demo: setup

@@ -10,12 +10,17 @@ waiting queue. Each `step()` has three phases:
    `Detokenizer`), finished sequences are detected (`StopChecker`) and
    their blocks freed, and a `RequestOutput` is made for every request
    that took part.
+
+Tools watch the steps through step observers (engine/step_observer.py);
+the tracer (engine/trace_writer.py) is one. Unwatched, `step()` does
+nothing more than the three phases.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import os
 import time
 
 from transformers import GenerationConfig
@@ -24,7 +29,9 @@ from minivllm.config import EngineConfig
 from minivllm.core.scheduler import Scheduler, SchedulerOutputs
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.metrics import StatLogger, Stats, build_stats
+from minivllm.engine.step_observer import StepObserver, StepRecord, queue_request_ids
 from minivllm.engine.stop_checker import StopChecker
+from minivllm.engine.trace_writer import TRACE_ENV, TraceWriter
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -32,11 +39,14 @@ from minivllm.sequence import (
     PositionLogprobs,
     Sequence,
     SequenceGroup,
+    SequenceGroupMetadata,
     SequenceOutput,
     SequenceStatus,
 )
 from minivllm.transformers_utils.detokenizer import Detokenizer
 from minivllm.transformers_utils.tokenizer import get_tokenizer
+from minivllm.worker.dry_run_worker import DryRunWorker
+from minivllm.worker.model_runner import FlatBatch
 from minivllm.worker.worker import Worker
 
 PromptType = str | dict
@@ -45,7 +55,12 @@ _LOCAL_LOGGING_INTERVAL_SEC = 5.0  # vLLM's: one stats line every 5 s
 
 
 class LLMEngine:
-    def __init__(self, engine_config: EngineConfig, log_stats: bool = False) -> None:
+    """`trace`: write every step to this JSON Lines file (see `start_trace`);
+    the environment variable MINIVLLM_TRACE does the same for any program."""
+
+    def __init__(
+        self, engine_config: EngineConfig, log_stats: bool = False, trace: str | None = None
+    ) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
@@ -56,7 +71,8 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seq_counter = itertools.count()
 
-        self.worker = Worker(self.model_config, self.cache_config, engine_config.device_config)
+        worker_cls = DryRunWorker if self.model_config.dry_run else Worker
+        self.worker = worker_cls(self.model_config, self.cache_config, engine_config.device_config)
         self.worker.load_model()
         num_gpu_blocks, num_cpu_blocks = self.worker.determine_num_available_blocks()
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
@@ -67,10 +83,19 @@ class LLMEngine:
         self._aborted: list[SequenceGroup] = []
         self._live_request_ids: set[str] = set()
         self.stat_logger = StatLogger(log_interval=_LOCAL_LOGGING_INTERVAL_SEC, enabled=log_stats)
+        self.step_observers: list[StepObserver] = []
+        self.trace_writer: TraceWriter | None = None
+        trace = trace or os.environ.get(TRACE_ENV)
+        if trace:
+            self.start_trace(trace)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
+    def from_engine_args(cls, engine_args: EngineArgs, trace: str | None = None) -> LLMEngine:
+        return cls(
+            engine_args.create_engine_config(),
+            log_stats=not engine_args.disable_log_stats,
+            trace=trace,
+        )
 
     def _eos_token_ids(self) -> set[int]:
         """The tokenizer's EOS plus any the generation config adds (Llama 3
@@ -152,10 +177,11 @@ class LLMEngine:
             )
         ]
         arrival_time = time.time() if arrival_time is None else arrival_time
-        self.scheduler.add_seq_group(
-            SequenceGroup(request_id, seqs, params, arrival_time, priority)
-        )
+        seq_group = SequenceGroup(request_id, seqs, params, arrival_time, priority)
+        self.scheduler.add_seq_group(seq_group)
         self._live_request_ids.add(request_id)
+        for observer in self.step_observers:
+            observer.on_add_request(self, seq_group)
 
     def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -185,18 +211,89 @@ class LLMEngine:
     # -- the step loop ----------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.step_observers:
+            return self._observed_step()
         seq_group_metadata_list, scheduler_outputs = self.scheduler.schedule()
-        output = self.worker.execute_model(
+        output = self._execute_model(seq_group_metadata_list, scheduler_outputs)
+        return self._process_step(output, scheduler_outputs, seq_group_metadata_list)
+
+    def _execute_model(
+        self,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+        scheduler_outputs: SchedulerOutputs,
+    ) -> SamplerOutput:
+        return self.worker.execute_model(
             seq_group_metadata_list,
             scheduler_outputs.blocks_to_swap_in,
             scheduler_outputs.blocks_to_swap_out,
             scheduler_outputs.blocks_to_copy,
         )
+
+    def _process_step(
+        self,
+        output: SamplerOutput,
+        scheduler_outputs: SchedulerOutputs,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+    ) -> list[RequestOutput]:
         request_outputs = self._process_model_outputs(output, scheduler_outputs)
         self.stat_logger.log(
             build_stats(self.scheduler, scheduler_outputs, seq_group_metadata_list)
         )
         return request_outputs
+
+    def _observed_step(self) -> list[RequestOutput]:
+        """The same three phases, timed, then a `StepRecord` for each observer.
+
+        The batch is flattened before the step's outputs are processed:
+        processing appends tokens to the very `SequenceData` it reads.
+        """
+        queues_before = queue_request_ids(self.scheduler)
+        start = time.perf_counter()
+        seq_group_metadata_list, scheduler_outputs = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        batch = FlatBatch.build(seq_group_metadata_list, self.cache_config.block_size)
+        executing = time.perf_counter()
+        output = self._execute_model(seq_group_metadata_list, scheduler_outputs)
+        executed = time.perf_counter()
+        request_outputs = self._process_step(output, scheduler_outputs, seq_group_metadata_list)
+        processed = time.perf_counter()
+        record = StepRecord(
+            queues_before=queues_before,
+            seq_group_metadata_list=seq_group_metadata_list,
+            scheduler_outputs=scheduler_outputs,
+            batch=batch,
+            output=output,
+            request_outputs=request_outputs,
+            schedule_ms=(scheduled - start) * 1e3,
+            execute_ms=(executed - executing) * 1e3,
+            process_ms=(processed - executed) * 1e3,
+        )
+        for observer in self.step_observers:
+            observer.on_step(self, record)
+        return request_outputs
+
+    # -- watching the steps -------------------------------------------------
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        self.step_observers.append(observer)
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        self.step_observers.remove(observer)
+
+    def start_trace(self, path: str) -> TraceWriter:
+        """Write this engine's trace to `path` (JSON Lines, one line per
+        request and step; format: tools/tracer/SCHEMA.md), replacing any
+        trace it was writing. View it with `minivllm-trace show PATH`."""
+        self.stop_trace()
+        self.trace_writer = TraceWriter(path, self)
+        self.add_step_observer(self.trace_writer)
+        return self.trace_writer
+
+    def stop_trace(self) -> None:
+        if self.trace_writer is not None:
+            self.remove_step_observer(self.trace_writer)
+            self.trace_writer.close()
+            self.trace_writer = None
 
     def get_stats(self) -> Stats:
         """The last step's `Stats`; before the first step, the current state's."""

@@ -18,12 +18,13 @@ class LLM:
 
     Keyword arguments are engine options by their vLLM names (`block_size`,
     `max_num_seqs`, `swap_space`, `gpu_memory_utilization`, ...): see
-    `EngineArgs`.
+    `EngineArgs`. `trace="run.jsonl"` records every step for the tracer
+    (`minivllm-trace show run.jsonl`), as MINIVLLM_TRACE does.
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, trace: str | None = None, **kwargs) -> None:
         engine_args = EngineArgs.from_kwargs("LLM()", model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, trace=trace)
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

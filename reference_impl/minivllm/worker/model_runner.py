@@ -1,10 +1,10 @@
 """`ModelRunner`: turns the scheduled groups into tensors and runs the model.
 
-One step's batch is flattened: every scheduled sequence contributes its new
-tokens (its whole uncomputed prompt when prefilling, one token when
-decoding), prefills first. For each token we build its `input_ids`,
-`positions` and `slot_mapping` (where its K/V go); per sequence its
-`seq_lens`, `context_lens` and block table. Logits are computed only for
+One step's batch is flattened (`FlatBatch`): every scheduled sequence
+contributes its new tokens (its whole uncomputed prompt when prefilling, one
+token when decoding), prefills first. For each token we build its
+`input_ids`, `positions` and `slot_mapping` (where its K/V go); per sequence
+its `seq_lens`, `context_lens` and block table. Logits are computed only for
 the rows `SamplingMetadata.prepare` selects: the last token of each sequence
 that samples, and the prompt positions of requests with prompt_logprobs.
 """
@@ -31,6 +31,57 @@ class ModelInput:
     sampling_metadata: SamplingMetadata
 
 
+@dataclass
+class FlatBatch:
+    """One step's batch flattened into plain lists, before any tensor.
+
+    Per token (prefills first, sequence after sequence): `input_ids`,
+    `positions` and `slot_mapping`. Per sequence, in the same order: its id,
+    `seq_lens` (tokens once this step is done), `context_lens` (tokens
+    already in the cache) and block table. `ModelRunner` turns it into the
+    model's tensors; the tracer records it as it is, so a trace shows exactly
+    what the model was given.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    seq_ids: list[int]
+    seq_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    query_start_loc: list[int]  # where each prefill's tokens start, then the end
+    num_prefills: int
+    num_prefill_tokens: int
+
+    @classmethod
+    def build(
+        cls, seq_group_metadata_list: list[SequenceGroupMetadata], block_size: int
+    ) -> FlatBatch:
+        batch = cls([], [], [], [], [], [], [], [0], 0, 0)
+        for meta in seq_group_metadata_list:
+            for seq_id, data in meta.seq_data.items():
+                context_len = data.num_computed_tokens
+                seq_len = context_len + meta.token_chunk_size
+                block_table = meta.block_tables[seq_id]
+                new_positions = range(context_len, seq_len)
+                batch.input_ids += data.get_token_ids()[context_len:seq_len]
+                batch.positions += new_positions
+                batch.slot_mapping += [
+                    block_table[p // block_size] * block_size + p % block_size
+                    for p in new_positions
+                ]
+                batch.seq_ids.append(seq_id)
+                batch.seq_lens.append(seq_len)
+                batch.context_lens.append(context_len)
+                batch.block_tables.append(block_table)
+                if meta.is_prompt:
+                    batch.num_prefills += 1
+                    batch.num_prefill_tokens += meta.token_chunk_size
+                    batch.query_start_loc.append(len(batch.input_ids))
+        return batch
+
+
 class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig
@@ -47,60 +98,30 @@ class ModelRunner:
     def prepare_model_input(
         self, seq_group_metadata_list: list[SequenceGroupMetadata]
     ) -> ModelInput:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        seq_lens: list[int] = []
-        context_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        query_start_loc = [0]
-        num_prefills = num_prefill_tokens = 0
-
-        for meta in seq_group_metadata_list:
-            seq_ids = list(meta.seq_data)
-            for seq_id in seq_ids:
-                data = meta.seq_data[seq_id]
-                context_len = data.num_computed_tokens
-                seq_len = context_len + meta.token_chunk_size
-                block_table = meta.block_tables[seq_id]
-                new_positions = range(context_len, seq_len)
-                input_ids += data.get_token_ids()[context_len:seq_len]
-                positions += new_positions
-                slot_mapping += [
-                    block_table[p // self.block_size] * self.block_size + p % self.block_size
-                    for p in new_positions
-                ]
-                seq_lens.append(seq_len)
-                context_lens.append(context_len)
-                block_tables.append(block_table)
-                if meta.is_prompt:
-                    num_prefills += 1
-                    num_prefill_tokens += meta.token_chunk_size
-                    query_start_loc.append(len(input_ids))
-
-        max_blocks = max(len(t) for t in block_tables)
-        padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        batch = FlatBatch.build(seq_group_metadata_list, self.block_size)
+        max_blocks = max(len(t) for t in batch.block_tables)
+        padded_tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
 
         def as_tensor(values, dtype=torch.long) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         attn_metadata = AttentionMetadata(
-            num_prefills=num_prefills,
-            num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=len(input_ids) - num_prefill_tokens,
-            slot_mapping=as_tensor(slot_mapping),
-            seq_lens=seq_lens,
-            context_lens=context_lens,
-            query_start_loc=query_start_loc,
+            num_prefills=batch.num_prefills,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=len(batch.input_ids) - batch.num_prefill_tokens,
+            slot_mapping=as_tensor(batch.slot_mapping),
+            seq_lens=batch.seq_lens,
+            context_lens=batch.context_lens,
+            query_start_loc=batch.query_start_loc,
             block_tables=as_tensor(padded_tables),
-            seq_lens_tensor=as_tensor(seq_lens),
+            seq_lens_tensor=as_tensor(batch.seq_lens),
         )
         return ModelInput(
-            input_ids=as_tensor(input_ids),
-            positions=as_tensor(positions),
+            input_ids=as_tensor(batch.input_ids),
+            positions=as_tensor(batch.positions),
             attn_metadata=attn_metadata,
             sampling_metadata=SamplingMetadata.prepare(
-                seq_group_metadata_list, seq_lens, context_lens, self.device
+                seq_group_metadata_list, batch.seq_lens, batch.context_lens, self.device
             ),
         )
 

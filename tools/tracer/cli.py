@@ -1,0 +1,192 @@
+"""`minivllm-trace`: record a trace, then look at it.
+
+    minivllm-trace run admission_blocked --dry-run -o run.jsonl
+    minivllm-trace run -p "Once upon a time" -p "The cat" --max-tokens 20
+    minivllm-trace show run.jsonl [--step 3]
+    minivllm-trace render run.jsonl --step 3 -o step3.svg   (or .png; .html: all steps)
+    minivllm-trace timeline run.jsonl -o timeline.png       (or .json for Perfetto)
+    minivllm-trace summary run.jsonl
+    minivllm-trace validate run.jsonl
+    minivllm-trace scenarios
+
+Also `python -m tools.tracer ...` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import yaml
+
+from tools.tracer.trace import load_trace
+
+
+def _default_model() -> str:
+    try:
+        from minivllm.assets import DEFAULT_MODEL
+    except ImportError:
+        DEFAULT_MODEL = None
+    if DEFAULT_MODEL is None or not os.path.isdir(DEFAULT_MODEL):
+        raise SystemExit(
+            "minivllm-trace run: the shipped model (minivllm.assets.DEFAULT_MODEL) is not "
+            "installed here; pass --model DIR (any Hugging Face checkpoint directory)"
+        )
+    return DEFAULT_MODEL
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, yaml.safe_load(value)
+
+
+def _resolve_scenario(name: str) -> Path:
+    from tools.tracer.scenario import SCENARIO_DIR, shipped_scenarios
+
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = SCENARIO_DIR / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(p.stem for p in shipped_scenarios())
+    raise SystemExit(f"no scenario file {name!r}; shipped scenarios: {names}")
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from tools.tracer.scenario import Scenario, check_claims, load_scenario, run_scenario
+
+    if args.scenario and args.prompt:
+        raise SystemExit("run takes a scenario or --prompt, not both")
+    if args.scenario:
+        scenario = load_scenario(_resolve_scenario(args.scenario))
+    elif args.prompt:
+        requests = [{"prompt": p, "max_tokens": args.max_tokens} for p in args.prompt]
+        scenario = Scenario("prompts", "", {}, requests)
+    else:
+        raise SystemExit("run needs a scenario (a file or a shipped name) or --prompt TEXT")
+    model = args.model or _default_model()
+    steps = run_scenario(
+        scenario, args.output, model, args.dry_run, dict(args.engine_arg), args.max_steps
+    )
+    trace = load_trace(args.output)
+    kind = " (dry run)" if args.dry_run else ""
+    print(f"wrote {args.output}: {steps} steps, {len(trace.requests)} requests{kind}")
+    for claim, where in check_claims(scenario, trace).items():
+        print(f"  {claim}: {where or 'NOT SHOWN by this run'}")
+    print(f"next: minivllm-trace show {args.output}")
+
+
+def cmd_show(args: argparse.Namespace) -> None:
+    from tools.tracer.show import show
+
+    show(load_trace(args.trace), args.step)
+
+
+def cmd_render(args: argparse.Namespace) -> None:
+    from tools.tracer.notebook import trace_page
+    from tools.tracer.render import render_step
+
+    trace = load_trace(args.trace)
+    out = Path(args.output)
+    if out.suffix == ".html":
+        out.write_text(trace_page(trace, title=str(args.trace)), encoding="utf-8")
+    elif args.step is None:
+        raise SystemExit("render needs --step N for an image (or -o FILE.html for every step)")
+    else:
+        trace.step(args.step)  # a clear error for a step the trace lacks
+        render_step(trace, args.step, out)
+    print(f"wrote {out}")
+
+
+def cmd_timeline(args: argparse.Namespace) -> None:
+    from tools.tracer.timeline import write_timeline
+
+    print(f"wrote {write_timeline(load_trace(args.trace), args.output)}")
+
+
+def cmd_summary(args: argparse.Namespace) -> None:
+    from tools.tracer.summary import summary
+
+    summary(load_trace(args.trace))
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    from tools.tracer.schema import validate_trace
+
+    print(f"{args.trace}: {validate_trace(args.trace)} lines, valid")
+
+
+def cmd_scenarios(args: argparse.Namespace) -> None:
+    from tools.tracer.scenario import load_scenario, shipped_scenarios
+
+    for path in shipped_scenarios():
+        scenario = load_scenario(path)
+        print(scenario.name)
+        print(textwrap.fill(scenario.description, width=88, initial_indent="    ",
+                            subsequent_indent="    "))
+        print(f"    shows: {', '.join(scenario.shows)}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="minivllm-trace", description="Record and view traces of the minivllm engine."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="play a scenario or prompts into a trace")
+    run.add_argument("scenario", nargs="?", help="scenario file, or a shipped scenario's name")
+    run.add_argument("-p", "--prompt", action="append", help="a prompt (repeat for more)")
+    run.add_argument("--max-tokens", type=int, default=16, help="per prompt (default 16)")
+    run.add_argument("-o", "--output", default="trace.jsonl", help="default trace.jsonl")
+    run.add_argument("--model", help="checkpoint directory (default: the shipped model)")
+    run.add_argument("--dry-run", action="store_true", help="no model: pseudo-random tokens")
+    run.add_argument(
+        "-e", "--engine-arg", type=_engine_arg, action="append", default=[],
+        metavar="KEY=VALUE", help="engine option, over the scenario's (repeatable)",
+    )
+    run.add_argument("--max-steps", type=int, default=100_000)
+    run.set_defaults(func=cmd_run)
+
+    show = sub.add_parser("show", help="the trace in the terminal")
+    show.add_argument("trace")
+    show.add_argument("--step", type=int, help="one step in full (default: all, one row each)")
+    show.set_defaults(func=cmd_show)
+
+    render = sub.add_parser("render", help="a step's block diagram (Graphviz)")
+    render.add_argument("trace")
+    render.add_argument("--step", type=int)
+    render.add_argument("-o", "--output", required=True, help=".svg, .png, .pdf; .html: all")
+    render.set_defaults(func=cmd_render)
+
+    timeline = sub.add_parser("timeline", help="every request's lifecycle")
+    timeline.add_argument("trace")
+    timeline.add_argument("-o", "--output", required=True, help=".png, or .json for Perfetto")
+    timeline.set_defaults(func=cmd_timeline)
+
+    summary = sub.add_parser("summary", help="per-request and total figures")
+    summary.add_argument("trace")
+    summary.set_defaults(func=cmd_summary)
+
+    validate = sub.add_parser("validate", help="check a trace against the schema")
+    validate.add_argument("trace")
+    validate.set_defaults(func=cmd_validate)
+
+    scenarios = sub.add_parser("scenarios", help="list the shipped scenarios")
+    scenarios.set_defaults(func=cmd_scenarios)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, IndexError, FileNotFoundError, RuntimeError) as e:
+        print(f"minivllm-trace {args.command}: {e}", file=sys.stderr)
+        return 1
+    return 0

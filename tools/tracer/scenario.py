@@ -1,0 +1,267 @@
+"""Scenario files: an engine configuration and a list of requests, played
+step by step on the real engine (or its dry run) into a trace.
+
+A scenario is YAML or JSON:
+
+    description: what it shows, in a sentence or two
+    shows: [admission_blocked]        # claims checked after the run (CLAIMS)
+    engine:                           # EngineArgs by name (block_size, ...)
+      block_size: 16
+      num_gpu_blocks_override: 10
+    prefixes:                         # optional: shared prompt starts, in tokens
+      system: 48
+    requests:
+      - id: A                         # default: its index
+        prompt_len: 100               # or prompt: "text", or prompt_token_ids: [...]
+        prefix: system                # optional: the prompt starts with this prefix
+        arrival_step: 0               # added before this step (default 0)
+        max_tokens: 3                 # and any other SamplingParams field
+        priority: 0                   # with scheduling_policy: priority
+
+Prompts given by length are pseudo-random token ids (no special tokens),
+the same on every run; a prefix is the same ids in every request using it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from minivllm import EngineArgs, LLMEngine, SamplingParams
+from tools.tracer.trace import Trace
+
+SCENARIO_DIR = Path(__file__).parent / "scenarios"
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    engine: dict[str, Any]
+    requests: list[dict[str, Any]]
+    prefixes: dict[str, int] = field(default_factory=dict)
+    shows: list[str] = field(default_factory=list)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    unknown = sorted(set(data) - {"description", "shows", "engine", "prefixes", "requests"})
+    if unknown:
+        raise ValueError(f"{path}: unknown scenario keys {unknown}")
+    if not data.get("requests"):
+        raise ValueError(f"{path}: a scenario needs a non-empty 'requests' list")
+    bad = sorted(set(data.get("shows", [])) - set(CLAIMS))
+    if bad:
+        raise ValueError(f"{path}: unknown claims {bad} in 'shows'; known: {sorted(CLAIMS)}")
+    return Scenario(
+        name=path.stem,
+        description=data.get("description", "").strip(),
+        engine=data.get("engine") or {},
+        requests=data["requests"],
+        prefixes=data.get("prefixes") or {},
+        shows=data.get("shows", []),
+    )
+
+
+def shipped_scenarios() -> list[Path]:
+    return sorted(SCENARIO_DIR.glob("*.yaml"))
+
+
+_REQUEST_KEYS = {"id", "prompt", "prompt_len", "prompt_token_ids", "prefix", "arrival_step"}
+
+
+def _token_ids(seed: str, n: int, vocab: list[int]) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice(vocab) for _ in range(n)]
+
+
+def build_prompt(scenario: Scenario, request: dict[str, Any], engine: LLMEngine) -> dict:
+    """The engine prompt of one scenario request."""
+    if "prompt" in request:
+        return {"prompt": request["prompt"]}
+    if "prompt_token_ids" in request:
+        return {"prompt_token_ids": request["prompt_token_ids"]}
+    if "prompt_len" not in request:
+        raise ValueError(f"request {request['id']}: give prompt, prompt_len or prompt_token_ids")
+    special = set(engine.tokenizer.all_special_ids)
+    vocab = [t for t in range(engine.model_config.hf_config.vocab_size) if t not in special]
+    ids: list[int] = []
+    if "prefix" in request:
+        name = request["prefix"]
+        if name not in scenario.prefixes:
+            raise ValueError(f"request {request['id']}: unknown prefix {name!r}")
+        ids = _token_ids(f"prefix:{name}", scenario.prefixes[name], vocab)
+    own = request["prompt_len"] - len(ids)
+    if own < 0:
+        raise ValueError(f"request {request['id']}: prompt_len is shorter than its prefix")
+    return {"prompt_token_ids": ids + _token_ids(f"request:{request['id']}", own, vocab)}
+
+
+def run_scenario(
+    scenario: Scenario,
+    trace_path: str | Path,
+    model: str,
+    dry_run: bool = False,
+    engine_overrides: dict[str, Any] | None = None,
+    max_steps: int = 100_000,
+) -> int:
+    """Play the scenario into a trace; returns the number of steps run.
+
+    Step k first adds the requests whose arrival_step is k, then runs one
+    engine step, even an empty one, so that trace step numbers are the
+    scenario's.
+    """
+    kwargs = {**scenario.engine, **(engine_overrides or {})}
+    engine_args = EngineArgs.from_kwargs("scenario engine", model=model, dry_run=dry_run, **kwargs)
+    engine = LLMEngine.from_engine_args(engine_args, trace=str(trace_path))
+    pending = []
+    for index, request in enumerate(scenario.requests):
+        request = {"id": str(index), **request}
+        request["id"] = str(request["id"])
+        params = {k: v for k, v in request.items() if k not in _REQUEST_KEYS | {"priority"}}
+        prompt = build_prompt(scenario, request, engine)
+        pending.append((request.get("arrival_step", 0), request, prompt, SamplingParams(**params)))
+    pending.sort(key=lambda item: item[0])
+    step = 0
+    try:
+        while pending or engine.has_unfinished_requests():
+            if step == max_steps:
+                raise RuntimeError(f"scenario {scenario.name} still running after {step} steps")
+            while pending and pending[0][0] <= step:
+                _, request, prompt, params = pending.pop(0)
+                priority = request.get("priority", 0)
+                engine.add_request(request["id"], prompt, params, priority=priority)
+            engine.step()
+            step += 1
+    finally:
+        engine.stop_trace()
+    return step
+
+
+# -- claims: what a scenario says it shows, checked on its trace --------------
+#
+# Each returns a sentence naming where the trace shows it, or None.
+
+
+def _blocks_needed(trace: Trace, request_id: str) -> int:
+    return math.ceil(len(trace.requests[request_id]["prompt_token_ids"]) / trace.block_size)
+
+
+def _admission_blocked(trace: Trace) -> str | None:
+    """A prompt stays waiting with room in the batch, for lack of free blocks."""
+    free_before = trace.num_gpu_blocks
+    watermark = trace.header["cache_config"]["watermark_blocks"]
+    budget = trace.header["scheduler_config"]["max_num_batched_tokens"]
+    for step in trace.steps:
+        waiting = step["queues_after"]["waiting"]
+        # Blocks are only taken while scheduling and given back afterwards:
+        # with nothing finished, the free blocks after the step are those
+        # the waiting prompt was refused with; else at most those before.
+        free = free_before if step["finished"] else step["free_blocks"]["gpu"]
+        if waiting and not step["preempted"]:
+            head = waiting[0]
+            prompt_len = len(trace.requests[head]["prompt_token_ids"])
+            need = _blocks_needed(trace, head)
+            if step["num_batched_tokens"] + prompt_len <= budget and need > free - watermark:
+                return f"step {step['step']}: {head} waits, needing {need} blocks with {free} free"
+        free_before = step["free_blocks"]["gpu"]
+    return None
+
+
+def _token_budget_split(trace: Trace) -> str | None:
+    """Prompts that arrived together are admitted over several steps because
+    of max_num_batched_tokens, though blocks were free for the next one."""
+    budget = trace.header["scheduler_config"]["max_num_batched_tokens"]
+    for step in trace.steps:
+        admitted = [e for e in step["scheduled"] if e["is_prefill"]]
+        waiting = step["queues_after"]["waiting"]
+        # (With nothing finished, the free blocks after the step are those
+        # the scheduler saw last.)
+        if admitted and waiting and not step["preempted"] and not step["finished"]:
+            head = waiting[0]
+            prompt_len = len(trace.requests[head]["prompt_token_ids"])
+            fits_blocks = _blocks_needed(trace, head) <= step["free_blocks"]["gpu"]
+            if fits_blocks and step["num_batched_tokens"] + prompt_len > budget:
+                return (
+                    f"step {step['step']}: {step['num_batched_tokens']} tokens batched, "
+                    f"{head}'s {prompt_len} would pass the budget of {budget}"
+                )
+    return None
+
+
+def _preempted(mode: str) -> Callable[[Trace], str | None]:
+    def check(trace: Trace) -> str | None:
+        for step in trace.steps:
+            for p in step["preempted"]:
+                if p["mode"] == mode:
+                    return f"step {step['step']}: {p['request_id']} preempted by {mode}"
+        return None
+
+    check.__doc__ = f"A request is preempted by {mode.upper()}."
+    return check
+
+
+def _swapped_back(trace: Trace) -> str | None:
+    """Blocks go out to the CPU pool and come back."""
+    out = next((s["step"] for s in trace.steps if s["swap_out"]), None)
+    back = next((s["step"] for s in trace.steps if s["swap_in"]), None)
+    if out is not None and back is not None and out < back:
+        return f"swapped out in step {out}, back in step {back}"
+    return None
+
+
+def _copy_on_write(trace: Trace) -> str | None:
+    """A shared block is copied before a sequence writes into it."""
+    for step in trace.steps:
+        if step["copy"]:
+            return f"step {step['step']}: copy-on-write of blocks {step['copy']}"
+    return None
+
+
+def _prefix_cache_hit(trace: Trace) -> str | None:
+    """A prompt's first blocks are found in the prefix cache."""
+    for step in trace.steps:
+        if step["prefix_cache"] and step["prefix_cache"]["hits"]:
+            return f"step {step['step']}: {step['prefix_cache']['hits']} cached blocks reused"
+    return None
+
+
+def _chunked_prefill(trace: Trace) -> str | None:
+    """A prompt is prefilled in chunks, beside other requests' decodes."""
+    for step in trace.steps:
+        for e in step["scheduled"]:
+            prompt_len = len(trace.requests[e["request_id"]]["prompt_token_ids"])
+            partial = e["is_prefill"] and e["positions"][-1] + 1 < prompt_len
+            beside_decode = any(not d["is_prefill"] for d in step["scheduled"])
+            if partial and beside_decode:
+                return (
+                    f"step {step['step']}: {e['request_id']} prefills positions "
+                    f"{e['positions'][0]}-{e['positions'][-1]} of {prompt_len} beside decodes"
+                )
+    return None
+
+
+CLAIMS: dict[str, Callable[[Trace], str | None]] = {
+    "admission_blocked": _admission_blocked,
+    "token_budget_split": _token_budget_split,
+    "preempted_recompute": _preempted("recompute"),
+    "preempted_swap": _preempted("swap"),
+    "swapped_back": _swapped_back,
+    "copy_on_write": _copy_on_write,
+    "prefix_cache_hit": _prefix_cache_hit,
+    "chunked_prefill": _chunked_prefill,
+}
+
+
+def check_claims(scenario: Scenario, trace: Trace) -> dict[str, str | None]:
+    """claim -> where the trace shows it, or None where it does not."""
+    return {claim: CLAIMS[claim](trace) for claim in scenario.shows}

@@ -1,0 +1,240 @@
+"""`minivllm-trace show`: a trace in the terminal, with rich.
+
+Without `--step`: one row per step (the batch, queue lengths, free blocks,
+events). With `--step N`: that step in full: the queues before and after,
+the batch token by token (ids, positions, slots), every block table over a
+strip of the device pool, the block moves and samples, and what changed
+since the step before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from tools.tracer.style import seq_color
+from tools.tracer.trace import Trace
+
+_POOL_STRIP_MAX = 512  # larger pools are summarised, not drawn
+
+
+def ranges(values: list[int]) -> str:
+    """[3, 4, 5, 9, 10] -> "3-5, 9-10": positions and slots run in streaks."""
+    if not values:
+        return "-"
+    parts, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(parts)
+
+
+def abbreviate(values: list[int], head: int = 6, tail: int = 2) -> str:
+    if len(values) <= head + tail + 1:
+        return " ".join(map(str, values))
+    return " ".join(map(str, values[:head])) + " … " + " ".join(map(str, values[-tail:]))
+
+
+def _queue_text(ids: list[str]) -> str:
+    return " ".join(ids) if ids else "-"
+
+
+def events(step: dict[str, Any]) -> list[str]:
+    """The step's notable events, in words."""
+    out = [f"preempt {p['request_id']} ({p['mode']})" for p in step["preempted"]]
+    out += [f"ignore {rid}" for rid in step["ignored"]]
+    if step["swap_out"]:
+        out.append(f"swap out {len(step['swap_out'])} blocks")
+    if step["swap_in"]:
+        out.append(f"swap in {len(step['swap_in'])} blocks")
+    if step["copy"]:
+        out.append(f"copy-on-write {len(step['copy'])} blocks")
+    if step["prefix_cache"] and step["prefix_cache"]["hits"]:
+        out.append(f"prefix cache {step['prefix_cache']['hits']} blocks hit")
+    out += [f"finish {f['request_id']} ({f['finish_reason']})" for f in step["finished"]]
+    return out
+
+
+def batch_summary(step: dict[str, Any]) -> str:
+    """"P A:100, D B": the batch by request, prefill (P, with tokens) or decode (D)."""
+    parts, seen = [], set()
+    for e in step["scheduled"]:
+        if e["request_id"] in seen:
+            continue
+        seen.add(e["request_id"])
+        parts.append(f"P {e['request_id']}:{e['num_tokens']}" if e["is_prefill"] else
+                     f"D {e['request_id']}")
+    return ", ".join(parts) or "(empty)"
+
+
+def overview(trace: Trace) -> Table:
+    table = Table(title=f"{len(trace.steps)} steps", title_justify="left")
+    for name in ("step", "batch", "tokens", "wait", "run", "swap", "free gpu", "events"):
+        table.add_column(name, justify="right" if name in ("step", "tokens") else "left")
+    for step in trace.steps:
+        q = step["queues_after"]
+        table.add_row(
+            str(step["step"]),
+            batch_summary(step),
+            str(step["num_batched_tokens"]),
+            str(len(q["waiting"])),
+            str(len(q["running"])),
+            str(len(q["swapped"])),
+            f"{step['free_blocks']['gpu']}/{trace.num_gpu_blocks}",
+            "; ".join(events(step)),
+        )
+    return table
+
+
+def _queues_table(step: dict[str, Any]) -> Table:
+    table = Table(title="queues", title_justify="left")
+    for name in ("queue", "before", "after"):
+        table.add_column(name)
+    for queue in ("waiting", "running", "swapped"):
+        before, after = step["queues_before"][queue], step["queues_after"][queue]
+        table.add_row(queue, _queue_text(before), _queue_text(after))
+    return table
+
+
+def _batch_table(step: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"batch: {step['num_batched_tokens']} tokens", title_justify="left"
+    )
+    for name in ("request", "seq", "kind", "tokens", "positions", "token ids", "slots", "sampled"):
+        table.add_column(name, justify="right" if name in ("seq", "tokens") else "left")
+    for e in step["scheduled"]:
+        sampled = step["sampled"].get(str(e["seq_id"]))
+        table.add_row(
+            e["request_id"],
+            Text(str(e["seq_id"]), style=seq_color(e["seq_id"])),
+            "prefill" if e["is_prefill"] else "decode",
+            str(e["num_tokens"]),
+            ranges(e["positions"]),
+            abbreviate(e["token_ids"]),
+            ranges(e["slot_mapping"]),
+            "-" if sampled is None else str(sampled),
+        )
+    return table
+
+
+def ref_counts(step: dict[str, Any]) -> dict[int, int]:
+    """Device block -> how many sequences map it (swapped sequences' tables
+    are CPU blocks and do not count)."""
+    counts: dict[int, int] = {}
+    for seq_id, table in step["block_tables"].items():
+        if step["seqs"][seq_id]["status"] != "swapped":
+            for block in table:
+                counts[block] = counts.get(block, 0) + 1
+    return counts
+
+
+def _pool_strip(trace: Trace, step: dict[str, Any]) -> Text:
+    """The device pool, one cell per block, coloured by the first sequence
+    that maps it; a shared block shows its ref count instead of a square."""
+    if trace.num_gpu_blocks > _POOL_STRIP_MAX:
+        used = trace.num_gpu_blocks - step["free_blocks"]["gpu"]
+        return Text(f"device pool: {used} of {trace.num_gpu_blocks} blocks in use")
+    owner: dict[int, int] = {}
+    for seq_id, table in step["block_tables"].items():
+        if step["seqs"][seq_id]["status"] != "swapped":
+            for block in table:
+                owner.setdefault(block, int(seq_id))
+    refs = ref_counts(step)
+    strip = Text("device pool: ")
+    for block in range(trace.num_gpu_blocks):
+        if block in owner:
+            cell = str(refs[block]) if refs[block] > 1 else "■"
+            strip.append(cell, style=seq_color(owner[block]))
+        else:
+            strip.append("·", style="grey50")
+    return strip
+
+
+def _block_tables(trace: Trace, step: dict[str, Any]) -> Group:
+    free = step["free_blocks"]
+    cache = trace.header["cache_config"]
+    lines = [
+        Text(
+            f"free blocks: gpu {free['gpu']}/{cache['num_gpu_blocks']}, "
+            f"cpu {free['cpu']}/{cache['num_cpu_blocks']}",
+            style="bold",
+        ),
+        _pool_strip(trace, step),
+    ]
+    for seq_id, table in step["block_tables"].items():
+        seq = step["seqs"][seq_id]
+        where = "cpu" if seq["status"] == "swapped" else "gpu"
+        line = Text(f"seq {seq_id}", style=seq_color(int(seq_id)))
+        line.append(
+            f" ({seq['request_id']}, {seq['status']}, {seq['num_tokens']} tokens) "
+            f"{where} blocks: {' '.join(map(str, table))}"
+        )
+        lines.append(line)
+    return Group(*lines)
+
+
+def changes(prev: dict[str, Any] | None, step: dict[str, Any]) -> list[str]:
+    """What this step changed: admissions, queue moves, blocks gained and lost."""
+    out = []
+    before, after = step["queues_before"], step["queues_after"]
+    where_before = {rid: q for q, ids in before.items() for rid in ids}
+    where_after = {rid: q for q, ids in after.items() for rid in ids}
+    for rid, q in where_after.items():
+        if where_before.get(rid, "new") != q:
+            out.append(f"{rid}: {where_before.get(rid, 'new')} → {q}")
+    for rid in where_before:
+        if rid not in where_after:
+            out.append(f"{rid}: {where_before[rid]} → done")
+    old_tables = prev["block_tables"] if prev else {}
+    for seq_id, table in step["block_tables"].items():
+        old = old_tables.get(seq_id, [])
+        gained = [b for b in table if b not in old]
+        lost = [b for b in old if b not in table]
+        if gained:
+            out.append(f"seq {seq_id} gets blocks {' '.join(map(str, gained))}")
+        if lost:
+            out.append(f"seq {seq_id} gives up blocks {' '.join(map(str, lost))}")
+    for seq_id in old_tables:
+        if seq_id not in step["block_tables"]:
+            out.append(f"seq {seq_id} frees its blocks {' '.join(map(str, old_tables[seq_id]))}")
+    for name, label in (("swap_out", "swap out"), ("swap_in", "swap in"), ("copy", "copy")):
+        if step[name]:
+            pairs = ", ".join(f"{src}→{dst}" for src, dst in step[name])
+            out.append(f"{label}: {pairs}")
+    return out
+
+
+def step_detail(trace: Trace, n: int) -> Group:
+    step = trace.steps[n]
+    t = step["timings"]
+    title = Text(
+        f"step {n} · {step['num_batched_tokens']} tokens · schedule {t['schedule_ms']:.2f} ms · "
+        f"execute {t['execute_ms']:.2f} ms · process {t['process_ms']:.2f} ms",
+        style="bold",
+    )
+    parts: list[Any] = [title, _queues_table(step), _batch_table(step), _block_tables(trace, step)]
+    happened = events(step)
+    if happened:
+        parts.append(Text("events: " + "; ".join(happened)))
+    prev = trace.steps[n - 1] if n > 0 else None
+    parts.append(Text(f"changes since {'step ' + str(n - 1) if prev else 'the start'}:"))
+    parts += [Text("  " + c) for c in changes(prev, step)] or [Text("  none")]
+    return Group(*parts)
+
+
+def show(trace: Trace, step: int | None = None, console: Console | None = None) -> None:
+    console = console or Console()
+    if trace.truncated:
+        console.print("[yellow]the trace's last line was cut short (a killed run?)[/yellow]")
+    if step is None:
+        console.print(overview(trace))
+    else:
+        trace.step(step)  # a clear IndexError for a step the trace lacks
+        console.print(step_detail(trace, step))

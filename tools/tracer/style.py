@@ -1,0 +1,35 @@
+"""Colours shared by the views: one per sequence, one per lifecycle state."""
+
+from __future__ import annotations
+
+from tools.tracer.trace import DECODE, FINISHED, IDLE, PREEMPTED, PREFILL, SWAPPED, WAITING
+
+# Light colours, so that black text on them stays readable.
+SEQ_COLORS = [
+    "#8ecae6",
+    "#ffb703",
+    "#90be6d",
+    "#f4a6c6",
+    "#cdb4db",
+    "#f9844a",
+    "#43aa8b",
+    "#ffd6a5",
+    "#a0c4ff",
+    "#e9c46a",
+    "#b5e48c",
+    "#bdb2ff",
+]
+
+STATE_COLORS = {
+    WAITING: "#d9d9d9",
+    PREFILL: "#f9844a",
+    DECODE: "#43aa8b",
+    IDLE: "#b7e4c7",
+    SWAPPED: "#9d4edd",
+    PREEMPTED: "#d62828",
+    FINISHED: "#222222",
+}
+
+
+def seq_color(seq_id: int) -> str:
+    return SEQ_COLORS[seq_id % len(SEQ_COLORS)]

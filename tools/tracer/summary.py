@@ -1,0 +1,119 @@
+"""`minivllm-trace summary`: per request and in total, what a run cost.
+
+Per request: prompt and output tokens, its arrival step, steps spent
+waiting (not in the batch) between arrival and end, time to first token
+(ttft: in steps, arrival step included, and in milliseconds of measured
+step time), preemptions, prompt tokens found in the prefix cache
+("cached"), and how and when it finished. In total: tokens, preemptions, block
+moves, prefix-cache hit rate, and KV-cache utilisation over time (the share
+of device blocks in use after each step, as a sparkline).
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from tools.tracer.trace import Lifecycle, Trace
+
+_SPARKS = " ▁▂▃▄▅▆▇█"
+_SPARK_WIDTH = 60
+
+
+def sparkline(values: list[float], width: int = _SPARK_WIDTH) -> str:
+    """Values in [0, 1] as block characters, averaged into at most `width`."""
+    if not values:
+        return ""
+    buckets = min(width, len(values))
+    chars = []
+    for i in range(buckets):
+        chunk = values[i * len(values) // buckets : (i + 1) * len(values) // buckets]
+        level = sum(chunk) / len(chunk)
+        chars.append(_SPARKS[round(level * (len(_SPARKS) - 1))])
+    return "".join(chars)
+
+
+def ttft_ms(trace: Trace, life: Lifecycle) -> float | None:
+    """Measured step time from the arrival step to the first token's, inclusive."""
+    if life.first_token_step is None:
+        return None
+    steps = trace.steps[life.arrival_step : life.first_token_step + 1]
+    return sum(trace.step_ms(s) for s in steps)
+
+
+def utilisation(trace: Trace) -> list[float]:
+    """Per step: the share of device blocks in use after it."""
+    total = trace.num_gpu_blocks
+    return [(total - s["free_blocks"]["gpu"]) / total for s in trace.steps]
+
+
+def request_table(trace: Trace) -> Table:
+    table = Table(title="requests", title_justify="left")
+    columns = ("request", "prompt", "output", "arrived", "waited", "ttft", "ttft ms",
+               "preempted", "cached", "finished")
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("request", "finished") else "right")
+    for life in trace.lifecycles().values():
+        ttft = ttft_ms(trace, life)
+        first = life.first_token_step
+        table.add_row(
+            life.request_id,
+            str(len(trace.requests[life.request_id]["prompt_token_ids"])),
+            str(life.num_output_tokens),
+            str(life.arrival_step),
+            str(life.steps_waited),
+            "-" if first is None else str(first - life.arrival_step + 1),
+            "-" if ttft is None else f"{ttft:.2f}",
+            ", ".join(mode for _, mode in life.preemptions) or "-",
+            str(life.prefix_cache_hit_tokens),
+            f"{life.finished[1]} @{life.finished[0]}" if life.finished else "not yet",
+        )
+    return table
+
+
+def totals(trace: Trace) -> Table:
+    steps = trace.steps
+    prefill = sum(e["num_tokens"] for s in steps for e in s["scheduled"] if e["is_prefill"])
+    decode = sum(e["num_tokens"] for s in steps for e in s["scheduled"] if not e["is_prefill"])
+    modes = [p["mode"] for s in steps for p in s["preempted"]]
+    queries = sum(s["prefix_cache"]["queries"] for s in steps if s["prefix_cache"])
+    hits = sum(s["prefix_cache"]["hits"] for s in steps if s["prefix_cache"])
+    used = utilisation(trace)
+    num_finished = sum(len(s["finished"]) for s in steps)
+    rows = [
+        ("steps", f"{len(steps)} ({sum(trace.step_ms(s) for s in steps):.1f} ms measured)"),
+        ("requests", f"{len(trace.requests)}, {num_finished} finished"),
+        ("tokens computed", f"{prefill} prefill + {decode} decode"),
+        ("preemptions", f"{modes.count('recompute')} recompute, {modes.count('swap')} swap"),
+        ("blocks moved", f"{sum(len(s['swap_out']) for s in steps)} swapped out, "
+                         f"{sum(len(s['swap_in']) for s in steps)} swapped in, "
+                         f"{sum(len(s['copy']) for s in steps)} copied (copy-on-write)"),
+    ]
+    if trace.header["cache_config"]["enable_prefix_caching"]:
+        rate = f"{hits / queries:.0%}" if queries else "-"
+        rows.append(("prefix cache", f"{hits} of {queries} blocks looked up were hits ({rate})"))
+    if used:
+        rows.append(
+            ("KV-cache use", f"mean {sum(used) / len(used):.0%}, peak {max(used):.0%} of "
+                             f"{trace.num_gpu_blocks} blocks")
+        )
+        rows.append(("use per step", sparkline(used)))
+    table = Table(title="totals", title_justify="left", show_header=False)
+    table.add_column()
+    table.add_column()
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def summary(trace: Trace, console: Console | None = None) -> None:
+    console = console or Console()
+    header = trace.header
+    cache = header["cache_config"]
+    title = Text(
+        f"{header['model']}{' (dry run)' if header['dry_run'] else ''}: "
+        f"{cache['num_gpu_blocks']} blocks of {cache['block_size']} tokens",
+        style="bold",
+    )
+    console.print(Group(title, request_table(trace), totals(trace)))

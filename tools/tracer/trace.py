@@ -1,0 +1,188 @@
+"""Reading a trace back: `load_trace(path) -> Trace`, and what each request
+went through, step by step (`Trace.lifecycles()`), for the views.
+
+A trace is JSON Lines (format: SCHEMA.md). A run that was killed may have
+left its last line half-written: that line is dropped and `truncated` set,
+every complete step before it is kept.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# What a request is doing in a step (the timeline's colours).
+WAITING = "waiting"  # in the waiting queue: not admitted, or preempted by RECOMPUTE
+PREFILL = "prefill"  # in the batch, computing (part of) its prompt
+DECODE = "decode"  # in the batch, one token per sequence
+IDLE = "running"  # in the running queue but not in this batch
+SWAPPED = "swapped"  # KV cache in the CPU pool
+PREEMPTED = "preempted"  # preempted in this step
+FINISHED = "finished"  # aborted or ignored in this step without running
+
+
+@dataclass
+class Lifecycle:
+    """One request from its arrival to its end, derived from the step lines.
+
+    states: (step, state) for each step from arrival on, the state one of
+        the constants above.
+    preemptions: (step, mode) for each preemption.
+    finished: (step, finish_reason, or "ignored" for a prompt that could
+        never fit), or None if the trace ends first.
+    first_token_step: the step that sampled its first token, if any.
+    num_output_tokens: tokens sampled, all its sequences together.
+    prefix_cache_hit_tokens: prompt tokens found in the prefix cache,
+        summed over its admissions (a recomputed request is admitted again).
+    """
+
+    request_id: str
+    arrival_step: int
+    states: list[tuple[int, str]] = field(default_factory=list)
+    preemptions: list[tuple[int, str]] = field(default_factory=list)
+    finished: tuple[int, str] | None = None
+    first_token_step: int | None = None
+    num_output_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def steps_waited(self) -> int:
+        """Steps between arrival and end in which it was not in the batch."""
+        return sum(state not in (PREFILL, DECODE) for _, state in self.states)
+
+
+@dataclass
+class Trace:
+    header: dict[str, Any]
+    requests: dict[str, dict[str, Any]]  # request id -> its request line
+    steps: list[dict[str, Any]]
+    truncated: bool = False  # the last line was incomplete (a killed run)
+
+    @property
+    def block_size(self) -> int:
+        return self.header["cache_config"]["block_size"]
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.header["cache_config"]["num_gpu_blocks"]
+
+    def step_ms(self, step: dict[str, Any]) -> float:
+        """The step's measured time: schedule + execute + process."""
+        return sum(step["timings"].values())
+
+    def seq_owners(self) -> dict[int, str]:
+        """seq id -> request id, for every sequence the trace mentions."""
+        owners = {}
+        for step in self.steps:
+            for entry in step["scheduled"]:
+                owners[entry["seq_id"]] = entry["request_id"]
+            for seq_id, seq in step["seqs"].items():
+                owners[int(seq_id)] = seq["request_id"]
+        return owners
+
+    def lifecycles(self) -> dict[str, Lifecycle]:
+        """What every request did in every step, in arrival order."""
+        lives = {rid: Lifecycle(rid, req["arrival_step"]) for rid, req in self.requests.items()}
+        owners = self.seq_owners()
+        pending = sorted(lives.values(), key=lambda life: life.arrival_step, reverse=True)
+        active: dict[str, Lifecycle] = {}  # arrived and not finished, in arrival order
+        for step in self.steps:
+            n = step["step"]
+            while pending and pending[-1].arrival_step <= n:
+                life = pending.pop()
+                active[life.request_id] = life
+            in_batch: dict[str, str] = {}
+            waiting_before = set(step["queues_before"]["waiting"])
+            for entry in step["scheduled"]:
+                rid = entry["request_id"]
+                # An admitted prompt's first chunk starts after its cached prefix.
+                if entry["is_prefill"] and rid not in in_batch and rid in waiting_before:
+                    lives[rid].prefix_cache_hit_tokens += entry["positions"][0]
+                in_batch[rid] = PREFILL if entry["is_prefill"] else DECODE
+            for seq_id in step["sampled"]:
+                life = lives[owners[int(seq_id)]]
+                life.num_output_tokens += 1
+                if life.first_token_step is None:
+                    life.first_token_step = n
+            preempted = {p["request_id"]: p["mode"] for p in step["preempted"]}
+            for rid, mode in preempted.items():
+                lives[rid].preemptions.append((n, mode))
+            queue_of = {rid: q for q, ids in step["queues_after"].items() for rid in ids}
+            for rid, life in active.items():
+                if rid in in_batch:
+                    state = in_batch[rid]
+                elif rid in preempted:
+                    state = PREEMPTED
+                else:
+                    state = {"waiting": WAITING, "running": IDLE, "swapped": SWAPPED}.get(
+                        queue_of.get(rid), FINISHED
+                    )
+                life.states.append((n, state))
+            for done in step["finished"]:
+                rid = done["request_id"]
+                # An ignored prompt finishes with "length", as in vLLM; say why.
+                reason = "ignored" if rid in step["ignored"] else done["finish_reason"]
+                lives[rid].finished = (n, reason)
+                active.pop(rid, None)
+        return lives
+
+    def step(self, n: int) -> StepView:
+        """Step `n`; in Jupyter it displays as its block diagram."""
+        if not 0 <= n < len(self.steps):
+            raise IndexError(f"step {n} is not in this trace (steps 0 to {len(self.steps) - 1})")
+        return StepView(self, n)
+
+    def _repr_html_(self) -> str:
+        from tools.tracer.notebook import trace_html
+
+        return trace_html(self)
+
+
+@dataclass
+class StepView:
+    """One step of a trace, drawn inline by Jupyter (needs Graphviz's dot)."""
+
+    trace: Trace
+    n: int
+
+    def _repr_svg_(self) -> str:
+        from tools.tracer.render import step_graph
+
+        return step_graph(self.trace, self.n).pipe(format="svg").decode()
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a trace file; raises ValueError naming the line that is not one."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    # A complete file ends with "\n": its last piece is empty. Otherwise the
+    # last line was cut short by a killed run and is dropped.
+    truncated = lines[-1] != ""
+    header, requests, steps = None, {}, []
+    for number, text in enumerate(lines[:-1], start=1):
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
+        kind = line.get("type")
+        if number == 1:
+            if kind != "header":
+                raise ValueError(f"{path}:1: a trace starts with its header line, got {kind!r}")
+            if line.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(
+                    f"{path}: schema_version {line.get('schema_version')!r}, this tracer reads "
+                    f"version {SCHEMA_VERSION}"
+                )
+            header = line
+        elif kind == "request":
+            requests[line["request_id"]] = line
+        elif kind == "step":
+            steps.append(line)
+        else:
+            raise ValueError(f"{path}:{number}: unknown line type {kind!r}")
+    if header is None:
+        raise ValueError(f"{path}: empty trace (no header line)")
+    return Trace(header, requests, steps, truncated)
