@@ -82,12 +82,19 @@ def _kernel(source: str, name_expressions: list[str], name: str):
     return _module(source, tuple(name_expressions)).get_function(name)
 
 
+def _as_cupy(cupy, t: torch.Tensor):
+    """A CuPy view of `t` (DLPack, no copy). CuPy has no bfloat16, and the
+    kernels only need the address, so 16-bit floats travel as int16."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.view(torch.int16)
+    return cupy.from_dlpack(t)
+
+
 def _launch(kernel, grid: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
     """Run `kernel` on torch's current stream; tensors go through DLPack."""
     cupy = _cupy()
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    cupy_args = tuple(cupy.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
-    with stream:
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        cupy_args = tuple(_as_cupy(cupy, a) if isinstance(a, torch.Tensor) else a for a in args)
         kernel(grid, (NUM_THREADS,), cupy_args, shared_mem=shared_mem)
 
 
