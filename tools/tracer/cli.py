@@ -128,8 +128,7 @@ def cmd_scenarios(args: argparse.Namespace) -> None:
     for path in shipped_scenarios():
         scenario = load_scenario(path)
         print(scenario.name)
-        print(textwrap.fill(scenario.description, width=88, initial_indent="    ",
-                            subsequent_indent="    "))
+        print(textwrap.indent(textwrap.fill(scenario.description, width=84), "    "))
         print(f"    shows: {', '.join(scenario.shows)}\n")
 
 
@@ -147,8 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", help="checkpoint directory (default: the shipped model)")
     run.add_argument("--dry-run", action="store_true", help="no model: pseudo-random tokens")
     run.add_argument(
-        "-e", "--engine-arg", type=_engine_arg, action="append", default=[],
-        metavar="KEY=VALUE", help="engine option, over the scenario's (repeatable)",
+        "-e",
+        "--engine-arg",
+        type=_engine_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine option, over the scenario's (repeatable)",
     )
     run.add_argument("--max-steps", type=int, default=100_000)
     run.set_defaults(func=cmd_run)

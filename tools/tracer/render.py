@@ -53,8 +53,9 @@ def _pool_label(
     rows, row = [], []
     for block in blocks:
         seqs = owners.get(block, [])
-        attrs: dict[str, Any] = {"port": f"b{block}", "id": f"{device}-block-{block}",
-                                 "href": f"#{device}-block-{block}"}
+        # A cell's tooltip needs an href to reach the SVG: it links to itself.
+        cell_id = f"{device}-block-{block}"
+        attrs: dict[str, Any] = {"port": f"b{block}", "id": cell_id, "href": f"#{cell_id}"}
         if seqs:
             attrs["bgcolor"] = seq_color(seqs[0])
             who = ", ".join(f"seq {s}" for s in seqs)
@@ -146,11 +147,8 @@ def step_graph(trace: Trace, n: int) -> graphviz.Digraph:
     )
     if owners["cpu"]:
         cpu_refs = {b: len(s) for b, s in owners["cpu"].items()}
-        graph.node(
-            "cpu",
-            _pool_label("CPU swap pool: blocks in use", sorted(owners["cpu"]), owners["cpu"],
-                        cpu_refs, "cpu"),
-        )
+        title = "CPU swap pool: blocks in use"
+        graph.node("cpu", _pool_label(title, sorted(owners["cpu"]), owners["cpu"], cpu_refs, "cpu"))
     if sum(len(t) for t in tables.values()) <= _MAX_EDGES:
         for seq_id, table in tables.items():
             device = "cpu" if step["seqs"][seq_id]["status"] == "swapped" else "gpu"

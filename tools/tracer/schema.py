@@ -25,17 +25,18 @@ def _check_step(step: dict[str, Any], expected: int, known: set[str]) -> list[st
     if step["step"] != expected:
         errors.append(f"step number {step['step']}, expected {expected}")
     named = {e["request_id"] for e in step["scheduled"]}
-    named |= {rid for q in ("queues_before", "queues_after") for ids in step[q].values()
-              for rid in ids}
+    for queues in (step["queues_before"], step["queues_after"]):
+        named.update(rid for ids in queues.values() for rid in ids)
     unknown = named - known
     if unknown:
         errors.append(f"request ids {sorted(unknown)} have no request line before this step")
     for e in step["scheduled"]:
-        lengths = {e["num_tokens"], len(e["token_ids"]), len(e["positions"]),
-                   len(e["slot_mapping"])}
-        if len(lengths) != 1:
-            errors.append(f"seq {e['seq_id']}: num_tokens, token_ids, positions and "
-                          "slot_mapping disagree in length")
+        lengths = {len(e[k]) for k in ("token_ids", "positions", "slot_mapping")}
+        if lengths != {e["num_tokens"]}:
+            errors.append(
+                f"seq {e['seq_id']}: num_tokens, token_ids, positions and slot_mapping "
+                "disagree in length"
+            )
     if sum(e["num_tokens"] for e in step["scheduled"]) != step["num_batched_tokens"]:
         errors.append("num_batched_tokens is not the sum of the scheduled num_tokens")
     missing = set(step["block_tables"]) - set(step["seqs"])

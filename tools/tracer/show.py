@@ -69,8 +69,10 @@ def batch_summary(step: dict[str, Any]) -> str:
         if e["request_id"] in seen:
             continue
         seen.add(e["request_id"])
-        parts.append(f"P {e['request_id']}:{e['num_tokens']}" if e["is_prefill"] else
-                     f"D {e['request_id']}")
+        if e["is_prefill"]:
+            parts.append(f"P {e['request_id']}:{e['num_tokens']}")
+        else:
+            parts.append(f"D {e['request_id']}")
     return ", ".join(parts) or "(empty)"
 
 

@@ -18,6 +18,18 @@ from rich.text import Text
 from tools.tracer.trace import Lifecycle, Trace
 
 _SPARKS = " ▁▂▃▄▅▆▇█"
+_COLUMNS = (
+    "request",
+    "prompt",
+    "output",
+    "arrived",
+    "waited",
+    "ttft",
+    "ttft ms",
+    "preempted",
+    "cached",
+    "finished",
+)
 _SPARK_WIDTH = 60
 
 
@@ -50,9 +62,7 @@ def utilisation(trace: Trace) -> list[float]:
 
 def request_table(trace: Trace) -> Table:
     table = Table(title="requests", title_justify="left")
-    columns = ("request", "prompt", "output", "arrived", "waited", "ttft", "ttft ms",
-               "preempted", "cached", "finished")
-    for name in columns:
+    for name in _COLUMNS:
         table.add_column(name, justify="left" if name in ("request", "finished") else "right")
     for life in trace.lifecycles().values():
         ttft = ttft_ms(trace, life)
@@ -81,22 +91,25 @@ def totals(trace: Trace) -> Table:
     hits = sum(s["prefix_cache"]["hits"] for s in steps if s["prefix_cache"])
     used = utilisation(trace)
     num_finished = sum(len(s["finished"]) for s in steps)
+    moved = {k: sum(len(s[k]) for s in steps) for k in ("swap_out", "swap_in", "copy")}
     rows = [
         ("steps", f"{len(steps)} ({sum(trace.step_ms(s) for s in steps):.1f} ms measured)"),
         ("requests", f"{len(trace.requests)}, {num_finished} finished"),
         ("tokens computed", f"{prefill} prefill + {decode} decode"),
         ("preemptions", f"{modes.count('recompute')} recompute, {modes.count('swap')} swap"),
-        ("blocks moved", f"{sum(len(s['swap_out']) for s in steps)} swapped out, "
-                         f"{sum(len(s['swap_in']) for s in steps)} swapped in, "
-                         f"{sum(len(s['copy']) for s in steps)} copied (copy-on-write)"),
+        (
+            "blocks moved",
+            f"{moved['swap_out']} swapped out, {moved['swap_in']} swapped in, "
+            f"{moved['copy']} copied (copy-on-write)",
+        ),
     ]
     if trace.header["cache_config"]["enable_prefix_caching"]:
         rate = f"{hits / queries:.0%}" if queries else "-"
         rows.append(("prefix cache", f"{hits} of {queries} blocks looked up were hits ({rate})"))
     if used:
+        mean, peak = sum(used) / len(used), max(used)
         rows.append(
-            ("KV-cache use", f"mean {sum(used) / len(used):.0%}, peak {max(used):.0%} of "
-                             f"{trace.num_gpu_blocks} blocks")
+            ("KV-cache use", f"mean {mean:.0%}, peak {peak:.0%} of {trace.num_gpu_blocks} blocks")
         )
         rows.append(("use per step", sparkline(used)))
     table = Table(title="totals", title_justify="left", show_header=False)

@@ -60,8 +60,8 @@ def timeline_png(trace: Trace, out: str | Path) -> Path:
     ax = fig.add_subplot()
     for row, life in enumerate(lives):
         for first, last, state in _spans(life):
-            ax.barh(row, last - first + 1, left=first, height=0.6, color=STATE_COLORS[state],
-                    edgecolor="white", linewidth=0.5)
+            color = STATE_COLORS[state]
+            ax.barh(row, last - first + 1, left=first, height=0.6, color=color, edgecolor="white")
         if life.finished:
             ax.plot(life.finished[0] + 1, row, marker="|", color="black", markersize=14)
     ax.set_yticks(range(len(lives)), [life.request_id for life in lives])
@@ -79,6 +79,21 @@ def timeline_png(trace: Trace, out: str | Path) -> Path:
     return out
 
 
+_ENGINE, _REQUESTS = 0, 1  # the two processes of the Chrome trace
+
+
+def _span(pid: int, tid: int, name: str, ts: float, dur: float, **fields: Any) -> dict[str, Any]:
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, **fields}
+
+
+def _instant(tid: int, name: str, ts: float) -> dict[str, Any]:
+    return {"ph": "i", "s": "t", "pid": _REQUESTS, "tid": tid, "name": name, "ts": ts}
+
+
+def _label(kind: str, name: str, pid: int, tid: int = 0) -> dict[str, Any]:
+    return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
+
+
 def chrome_trace(trace: Trace) -> dict[str, Any]:
     """The trace as Chrome trace events (microseconds since step 0 began)."""
     starts, t = [], 0.0
@@ -86,46 +101,29 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
         starts.append(t)
         t += trace.step_ms(step) * 1e3
     ends = starts[1:] + [t]
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "engine"}},
-        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "requests"}},
+    events = [
+        _label("process_name", "engine", _ENGINE),
+        _label("process_name", "requests", _REQUESTS),
     ]
     for step, start in zip(trace.steps, starts, strict=True):
-        timings = step["timings"]
         args = {"batch_tokens": step["num_batched_tokens"], "free_gpu": step["free_blocks"]["gpu"]}
-        events.append(
-            {"ph": "X", "pid": 0, "tid": 0, "name": f"step {step['step']}", "ts": start,
-             "dur": trace.step_ms(step) * 1e3, "args": args}
-        )
-        phase_start = start
+        dur = trace.step_ms(step) * 1e3
+        events.append(_span(_ENGINE, 0, f"step {step['step']}", start, dur, args=args))
         for phase in ("schedule", "execute", "process"):
-            dur = timings[f"{phase}_ms"] * 1e3
-            events.append(
-                {"ph": "X", "pid": 0, "tid": 1, "name": phase, "ts": phase_start, "dur": dur}
-            )
-            phase_start += dur
+            dur = step["timings"][f"{phase}_ms"] * 1e3
+            events.append(_span(_ENGINE, 1, phase, start, dur))
+            start += dur
     for tid, life in enumerate(trace.lifecycles().values()):
-        events.append(
-            {"ph": "M", "pid": 1, "tid": tid, "name": "thread_name",
-             "args": {"name": f"request {life.request_id}"}}
-        )
+        events.append(_label("thread_name", f"request {life.request_id}", _REQUESTS, tid))
         for first, last, state in _spans(life):
-            events.append(
-                {"ph": "X", "pid": 1, "tid": tid, "name": state, "cat": state,
-                 "ts": starts[first], "dur": ends[last] - starts[first],
-                 "args": {"steps": f"{first}-{last}"}}
-            )
+            dur = ends[last] - starts[first]
+            args = {"steps": f"{first}-{last}"}
+            events.append(_span(_REQUESTS, tid, state, starts[first], dur, cat=state, args=args))
         for step, mode in life.preemptions:
-            events.append(
-                {"ph": "i", "s": "t", "pid": 1, "tid": tid, "name": f"preempted ({mode})",
-                 "ts": starts[step]}
-            )
+            events.append(_instant(tid, f"preempted ({mode})", starts[step]))
         if life.finished:
             step, reason = life.finished
-            events.append(
-                {"ph": "i", "s": "t", "pid": 1, "tid": tid, "name": f"finished ({reason})",
-                 "ts": ends[step]}
-            )
+            events.append(_instant(tid, f"finished ({reason})", ends[step]))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
