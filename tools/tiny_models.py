@@ -1,9 +1,10 @@
 """Tiny randomly initialised Hugging Face checkpoints, made in-process.
 
-Model hubs are unreachable on our machines, so tests (and, until the
-shipped model exists, the demo) build a small checkpoint with transformers,
-`save_pretrained` it to a directory and load it through the engine's real
-loading path. A byte-level BPE tokenizer is trained on a few sentences.
+Model hubs are unreachable on our machines, so tests build a small
+checkpoint with transformers, `save_pretrained` it to a directory and load it
+through the engine's real loading path. A byte-level BPE tokenizer is trained
+on a few sentences (the trained story model that the demo uses ships in
+minivllm/assets/).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -26,6 +26,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from tools.model.tokenizer import train_byte_level_bpe
+
 _CORPUS = [
     "Once upon a time there was a little dog who lived by the sea.",
     "The capital of France is Paris, and the capital of Italy is Rome.",
@@ -34,22 +36,11 @@ _CORPUS = [
     "The scheduler picks which requests run in the next step of the engine.",
     "A quick brown fox jumps over the lazy dog while the cat sleeps.",
 ]
-BOS, EOS = "<s>", "</s>"
 
 
 def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
     """A byte-level BPE (every string encodes) with BOS id 0 and EOS id 1."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    return train_byte_level_bpe(_CORPUS * 4, vocab_size)
 
 
 def _config(arch: str, vocab_size: int, **overrides):
