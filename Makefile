@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,14 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check .
+
+# The CPU benchmarks (tools/bench/), a few minutes in all; each prints its
+# table and writes tools/bench/results/<name>.json and .png.
+bench: setup
+	$(PY) -m tools.bench.kv_efficiency
+	$(PY) -m tools.bench.step_cost
+	$(PY) -m tools.bench.latency
+	$(PY) -m tools.bench.throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -23,11 +23,13 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from tools.bench.common import print_table
 
 # Nominal HBM bandwidth (bytes/s) by device-name fragment.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40": 0.864e12}
@@ -92,20 +94,20 @@ def bench_gpu(batches, contexts, repeats) -> list[dict]:
             v = kv[1][tables].view(batch, -1, nkv, hs)[:, :context].transpose(1, 2).contiguous()
             q4 = q.unsqueeze(2)  # [batch, heads, 1, head_size]
             t = {
-                "v1": time_it(lambda: ops.paged_attention_v1(*args), "cuda", repeats)
+                "v1": time_it(partial(ops.paged_attention_v1, *args), "cuda", repeats)
                 if context <= ops.V1_MAX_SEQ_LEN
                 else float("nan"),
-                "v2": time_it(lambda: ops.paged_attention_v2(*args), "cuda", repeats),
-                "torch_gather": time_it(lambda: ref._decode(q, kv, tables, lens), "cuda", repeats),
+                "v2": time_it(partial(ops.paged_attention_v2, *args), "cuda", repeats),
+                "torch_gather": time_it(partial(ref._decode, q, kv, tables, lens), "cuda", repeats),
                 "sdpa_contiguous": time_it(
-                    lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True),
+                    partial(F.scaled_dot_product_attention, q4, k, v, enable_gqa=True),
                     "cuda",
                     repeats,
                 ),
             }
             gbytes = moved_bytes(batch, context, nh, nkv, hs, dtype)
             best = min(t["v1"], t["v2"]) if context <= ops.V1_MAX_SEQ_LEN else t["v2"]
-            row = dict(batch=batch, context=context, **{f"{k}_ms": v * 1e3 for k, v in t.items()})
+            row = dict(batch=batch, context=context, **{f"{n}_ms": s * 1e3 for n, s in t.items()})
             row["v2_GBps"] = gbytes / t["v2"] / 1e9
             row["v2_peak_fraction"] = gbytes / t["v2"] / peak if peak else float("nan")
             row["best_vs_torch_gather"] = t["torch_gather"] / best
@@ -126,8 +128,8 @@ def bench_cpu(batches, contexts, repeats) -> list[dict]:
     for batch in batches:
         for context in contexts:
             q, kv, tables, lens = make_inputs(batch, context, nh, nkv, hs, bs, dtype, "cpu")
-            t_ref = time_it(lambda: ref._decode(q, kv, tables, lens), "cpu", repeats)
-            t_numba = time_it(lambda: fast._decode(q, kv, tables, lens), "cpu", repeats)
+            t_ref = time_it(partial(ref._decode, q, kv, tables, lens), "cpu", repeats)
+            t_numba = time_it(partial(fast._decode, q, kv, tables, lens), "cpu", repeats)
             gbytes = moved_bytes(batch, context, nh, nkv, hs, dtype)
             rows.append(
                 dict(
@@ -140,14 +142,6 @@ def bench_cpu(batches, contexts, repeats) -> list[dict]:
                 )
             )
     return rows
-
-
-def print_table(rows: list[dict]) -> None:
-    keys = list(rows[0])
-    print("  ".join(f"{k:>20}" for k in keys))
-    for row in rows:
-        cells = [f"{row[k]:>20.3f}" if isinstance(row[k], float) else f"{row[k]:>20}" for k in keys]
-        print("  ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,192 @@
+"""Step-cost scaling: what the engine's own bookkeeping costs per running sequence.
+
+With the model-free dry run (`LLM(model, dry_run=True)`: the real
+scheduler, block manager and output processing, a hash for a model), N
+requests are prefilled together and then decode together; for each decode
+step in which all N run, the engine's step observer reports the time of
+its phases. We keep schedule (queues, budgets, block tables, the batch's
+metadata) + process (append, detokenize, stop checks, frees, outputs,
+stats) and leave out execute (the dry run's stand-in for the model), then
+report the median over the steps, in µs per sequence per step.
+
+If the bookkeeping is linear in N, µs/seq/step stays flat from 16 to 1024
+sequences; a quadratic term would make it grow with N. With prefix caching
+each step also hashes the blocks that fill up; the prompts share their
+first block so that the cache is used, not just consulted.
+
+    python -m tools.bench.step_cost            # 16, 64, 256, 1024 sequences
+    python -m tools.bench.step_cost --quick    # 16, 64, 256; fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+
+from minivllm import LLM, SamplingParams
+from tools.bench.common import (
+    make_bench_model,
+    plot_path,
+    print_table,
+    write_result,
+)
+
+PROMPT_LEN = 32  # two blocks: one shared prefix block, one of the request's own
+BLOCK_SIZE = 16
+
+
+@dataclass
+class StepCost:
+    num_seqs: int
+    prefix_caching: bool
+    steps: int
+    schedule_us_per_seq: float
+    process_us_per_seq: float
+    total_us_per_seq: float
+    dry_model_us_per_seq: float  # execute: the dry run's hash, not the engine's cost
+
+
+class _PhaseTimes:
+    """A step observer that keeps the phase times of full decode steps."""
+
+    def __init__(self, num_seqs: int) -> None:
+        self.num_seqs = num_seqs
+        self.steps: list[tuple[float, float, float]] = []
+
+    def on_add_request(self, engine, seq_group) -> None:
+        pass
+
+    def on_step(self, engine, record) -> None:
+        outputs = record.scheduler_outputs
+        if outputs.num_prefill_groups == 0 and len(outputs.scheduled_seq_groups) == self.num_seqs:
+            self.steps.append((record.schedule_ms, record.process_ms, record.execute_ms))
+
+
+def measure_step_cost(
+    model_dir: str, num_seqs: int, prefix_caching: bool, num_steps: int, vocab_size: int
+) -> StepCost:
+    """Median phase times over `num_steps` decode steps of `num_seqs` sequences."""
+    # The prefill samples the first token; then num_steps + 2 decode steps,
+    # of which the first (warm-up) and the last (it finishes every request:
+    # frees, final outputs) are left out.
+    max_tokens = num_steps + 3
+    blocks_per_seq = -(-(PROMPT_LEN + max_tokens) // BLOCK_SIZE)
+    llm = LLM(
+        model_dir,
+        dry_run=True,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(num_seqs * PROMPT_LEN, 2048),
+        num_gpu_blocks_override=num_seqs * blocks_per_seq + 64,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = llm.llm_engine
+    observer = _PhaseTimes(num_seqs)
+    engine.add_step_observer(observer)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    shared = [2 + i % (vocab_size - 2) for i in range(BLOCK_SIZE)]
+    for i in range(num_seqs):
+        own = [2 + (i * 31 + j * 7) % (vocab_size - 2) for j in range(PROMPT_LEN - BLOCK_SIZE)]
+        engine.add_request(str(i), {"prompt_token_ids": shared + own}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    steps = observer.steps[1:-1]
+    schedule = statistics.median(s[0] for s in steps) * 1e3 / num_seqs
+    process = statistics.median(s[1] for s in steps) * 1e3 / num_seqs
+    total = statistics.median(s[0] + s[1] for s in steps) * 1e3 / num_seqs
+    model = statistics.median(s[2] for s in steps) * 1e3 / num_seqs
+    return StepCost(num_seqs, prefix_caching, len(steps), schedule, process, total, model)
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of y = slope * x + intercept."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return slope, my - slope * mx
+
+
+def plot(results: list[StepCost], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_step, ax_seq) = plt.subplots(1, 2, figsize=(10, 4))
+    for caching in (False, True):
+        rows = [r for r in results if r.prefix_caching == caching]
+        ns = [r.num_seqs for r in rows]
+        label = "prefix caching" if caching else "no prefix caching"
+        ax_step.plot(ns, [r.total_us_per_seq * r.num_seqs / 1e3 for r in rows], "o-", label=label)
+        ax_seq.plot(ns, [r.total_us_per_seq for r in rows], "o-", label=label)
+    ax_step.set(xlabel="running sequences", ylabel="ms per step", title="schedule + process")
+    ax_seq.set(xlabel="running sequences", ylabel="µs per sequence per step", xscale="log")
+    ax_seq.axhline(10, color="grey", ls="--", lw=1, label="target 10 µs")
+    ax_seq.set_ylim(bottom=0)
+    for ax in (ax_step, ax_seq):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=40, help="decode steps measured per run")
+    parser.add_argument("--quick", action="store_true", help="16, 64, 256 sequences, 15 steps")
+    parser.add_argument("--json", help="result path (default: tools/bench/results/)")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    num_seqs, steps = (args.num_seqs, args.steps) if not args.quick else ([16, 64, 256], 15)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_bench_model("tiny", tmp)  # the dry run reads only config + tokenizer
+        vocab_size = LLM(model_dir, dry_run=True).llm_engine.model_config.hf_config.vocab_size
+        results = [
+            measure_step_cost(model_dir, n, caching, steps, vocab_size)
+            for caching in (False, True)
+            for n in num_seqs
+        ]
+    fits = {}
+    for caching in (False, True):
+        rows = [r for r in results if r.prefix_caching == caching]
+        slope, intercept = linear_fit(
+            [r.num_seqs for r in rows], [r.total_us_per_seq * r.num_seqs for r in rows]
+        )
+        fits["prefix_caching" if caching else "no_prefix_caching"] = {
+            "us_per_seq": slope,
+            "us_fixed": intercept,
+        }
+    print_table(
+        [
+            {
+                "seqs": r.num_seqs,
+                "prefix caching": "on" if r.prefix_caching else "off",
+                "steps": r.steps,
+                "schedule µs/seq": r.schedule_us_per_seq,
+                "process µs/seq": r.process_us_per_seq,
+                "total µs/seq": r.total_us_per_seq,
+                "(dry model µs/seq)": r.dry_model_us_per_seq,
+            }
+            for r in results
+        ],
+        title="Engine bookkeeping per decode step (dry run), median over steps",
+    )
+    for name, fit in fits.items():
+        print(
+            f"linear fit, {name}: {fit['us_per_seq']:.2f} µs per sequence "
+            f"+ {fit['us_fixed']:.0f} µs per step"
+        )
+    payload = {"results": [asdict(r) for r in results], "linear_fit": fits}
+    out = write_result("step_cost", payload, args.json)
+    if not args.no_plot:
+        plot(results, plot_path("step_cost", args.json))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
