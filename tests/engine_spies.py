@@ -4,7 +4,7 @@ without changing it: what the scheduler decided, and which blocks moved."""
 from __future__ import annotations
 
 from minivllm import LLM
-from minivllm.core.scheduler import SchedulerOutputs
+from minivllm.core.scheduler import Scheduler, SchedulerOutputs
 from minivllm.sequence import SequenceGroupMetadata
 
 Schedule = tuple[list[SequenceGroupMetadata], SchedulerOutputs]
@@ -47,3 +47,13 @@ def record_block_moves(llm: LLM, monkeypatch) -> dict[str, list[tuple[int, int]]
 
         monkeypatch.setattr(cache_engine, name, spy)
     return moves
+
+
+class RecordingScheduler(Scheduler):
+    """A Scheduler that counts its steps; importable by name for `scheduler_cls`."""
+
+    steps = 0
+
+    def schedule(self):
+        RecordingScheduler.steps += 1
+        return super().schedule()

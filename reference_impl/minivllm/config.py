@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from minivllm.utils import resolve_class
+
 _STR_TO_DTYPE = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -65,7 +67,7 @@ class ModelConfig:
     dry_run: bool = False
     # The attention implementation, resolved by EngineArgs once the block
     # size is known (attention/selector.py); the reference if built directly.
-    attention_backend: str = field(default="torch", init=False)
+    attention_backend: str | type = field(default="torch", init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     local_path: str = field(init=False)
 
@@ -227,8 +229,14 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode | str | None = None
     enable_chunked_prefill: bool = False
     scheduling_policy: str = "fcfs"
+    # Replaceable components, by class or "package.module.Class" (vLLM has
+    # scheduler_cls too): the labs plug a learner's own in here.
+    scheduler_cls: str | type = "minivllm.core.scheduler.Scheduler"
+    block_manager_cls: str | type = "minivllm.core.block_manager.BlockSpaceManager"
 
     def __post_init__(self) -> None:
+        self.scheduler_cls = resolve_class(self.scheduler_cls, "scheduler_cls")
+        self.block_manager_cls = resolve_class(self.block_manager_cls, "block_manager_cls")
         policies = ("fcfs", "prefill_first", "priority")
         if self.scheduling_policy not in policies:
             raise ValueError(

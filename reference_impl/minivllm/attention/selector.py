@@ -34,7 +34,7 @@ from minivllm.attention.backends.torch_paged import TorchPagedAttention
 ATTENTION_BACKENDS = ("torch", "numba", "cuda")
 ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
 
-_current_backend: ContextVar[str] = ContextVar("attention_backend", default="torch")
+_current_backend: ContextVar[str | type] = ContextVar("attention_backend", default="torch")
 
 
 def _cuda_problems(device: str, dtype: torch.dtype, head_size: int, block_size: int) -> list[str]:
@@ -61,9 +61,13 @@ def _cuda_problems(device: str, dtype: torch.dtype, head_size: int, block_size: 
 
 
 def select_attention_backend(
-    requested: str | None, device: str, dtype: torch.dtype, head_size: int, block_size: int
-) -> str:
-    """Resolve `requested` (None: the environment variable, else "auto") to a backend name."""
+    requested: str | type | None, device: str, dtype: torch.dtype, head_size: int, block_size: int
+) -> str | type:
+    """Resolve `requested` (None: the environment variable, else "auto") to a
+    backend name. A class is used as it is: an implementation with
+    TorchPagedAttention's interface, such as a learner's in the labs."""
+    if isinstance(requested, type):
+        return requested
     if requested is None:
         requested = os.environ.get(ENV_VAR, "auto")
     if requested not in (*ATTENTION_BACKENDS, "auto"):
@@ -91,8 +95,8 @@ def select_attention_backend(
 
 
 @contextlib.contextmanager
-def set_attn_backend(name: str) -> Iterator[None]:
-    """Within this block, new `Attention` layers use backend `name`."""
+def set_attn_backend(name: str | type) -> Iterator[None]:
+    """Within this block, new `Attention` layers use backend `name` (or class)."""
     token = _current_backend.set(name)
     try:
         yield
@@ -104,6 +108,8 @@ def get_attn_backend() -> type[TorchPagedAttention]:
     """The implementation class of the current backend (the reference outside
     `set_attn_backend`)."""
     name = _current_backend.get()
+    if isinstance(name, type):
+        return name
     if name == "numba":
         from minivllm.attention.backends.numba_paged import NumbaPagedAttention
 

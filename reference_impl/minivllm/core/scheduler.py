@@ -119,7 +119,7 @@ class Scheduler:
                 f">= block_size ({cache_config.block_size}) with chunked prefill and prefix "
                 "caching, whose chunks are whole blocks"
             )
-        self.block_manager = BlockSpaceManager(
+        self.block_manager: BlockSpaceManager = scheduler_config.block_manager_cls(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
             num_cpu_blocks=cache_config.num_cpu_blocks,

@@ -32,9 +32,10 @@ class EngineArgs:
     # No model: pseudo-random tokens through the real scheduler, for tracing
     # and timing scheduling alone (worker/dry_run_worker.py).
     dry_run: bool = False
-    # "torch" | "numba" | "cuda"; None: $MINIVLLM_ATTENTION_BACKEND, else
-    # "auto" (attention/selector.py).
-    attention_backend: str | None = None
+    # "torch" | "numba" | "cuda", or an implementation class (like
+    # TorchPagedAttention); None: $MINIVLLM_ATTENTION_BACKEND, else "auto"
+    # (attention/selector.py).
+    attention_backend: str | type | None = None
     # KV cache
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -48,6 +49,9 @@ class EngineArgs:
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = False
     scheduling_policy: str = "fcfs"
+    # A learner's (or any) replacement component: a class or "module.Class".
+    scheduler_cls: str | type = "minivllm.core.scheduler.Scheduler"
+    block_manager_cls: str | type = "minivllm.core.block_manager.BlockSpaceManager"
     # Off by default, as in vLLM's `LLM`: the periodic throughput log line.
     # `LLMEngine.get_stats()` works either way.
     disable_log_stats: bool = True
@@ -109,5 +113,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
+            scheduler_cls=self.scheduler_cls,
+            block_manager_cls=self.block_manager_cls,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device_config)

@@ -77,7 +77,9 @@ class LLMEngine:
         num_gpu_blocks, num_cpu_blocks = self.worker.determine_num_available_blocks()
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.scheduler: Scheduler = self.scheduler_config.scheduler_cls(
+            self.scheduler_config, self.cache_config
+        )
         self.stop_checker = StopChecker(self.model_config.max_model_len, self._eos_token_ids())
         # Requests aborted since the last step: their final outputs go out then.
         self._aborted: list[SequenceGroup] = []
