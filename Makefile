@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench lab clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ bench: setup
 	$(PY) -m tools.bench.step_cost
 	$(PY) -m tools.bench.latency
 	$(PY) -m tools.bench.throughput
+
+# JupyterLab on the generated labs (tools/labs/FORMAT.md).
+lab: setup
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) -e ".[dev,trace,lab]"
+	$(VENV)/bin/jupyter lab labs/
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,37 @@
+"""Repository-wide pytest set-up for the notebooks (format: tools/labs/FORMAT.md).
+
+`make test` runs `solutions/*.ipynb` under nbval (`--nbval` in pyproject's
+addopts). Here: the kernel is this environment's Python, outputs are
+sanitised with solutions/sanitize.cfg, progress bars are off, stderr (library
+warnings) is not compared, and cells tagged `gpu` are skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SANITIZE = Path(__file__).parent / "solutions" / "sanitize.cfg"
+
+
+def pytest_configure(config):
+    opt = config.option
+    if getattr(opt, "nbval", False) or getattr(opt, "nbval_lax", False):
+        opt.nbval_current_env = True
+        if opt.nbval_sanitize_with is None:
+            opt.nbval_sanitize_with = str(SANITIZE)
+        os.environ["TQDM_DISABLE"] = "1"  # the kernel inherits it
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        cell = getattr(item, "cell", None)
+        if cell is None:  # not a notebook cell
+            continue
+        if "stderr" not in item.parent.skip_compare:
+            item.parent.skip_compare += ("stderr",)
+        if "gpu" in cell.metadata.get("tags", []) and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
