@@ -89,3 +89,19 @@ def test_engine_text_equals_full_decode(tiny_model_dir):
     decoded = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
     assert texts == decoded
     assert any(not text.isascii() for text in texts)  # multi-byte characters were made
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_backend_shortcut_decodes_like_the_tokenizer(tokenizer, skip_special_tokens):
+    """A stock fast tokenizer is decoded by its Rust backend directly (the
+    per-token cost of `decode`'s argument handling is skipped): the text is
+    the tokenizer's own, special tokens and partial characters included."""
+    detokenizer = Detokenizer(tokenizer)
+    assert detokenizer._backend is tokenizer.backend_tokenizer
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    ids = [0, *tokenizer.encode(" the cat é"), 1, *byte_tokens(tokenizer, "😀")[:2], 7]
+    for end in range(len(ids) + 1):
+        expected = tokenizer.decode(
+            ids[:end], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+        assert detokenizer._decode(ids[:end], params) == expected

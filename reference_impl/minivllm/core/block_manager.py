@@ -155,7 +155,9 @@ class BlockSpaceManager:
         first = num_full
         while first > 0 and table[first - 1].block_hash is None:
             first -= 1
-        tokens = seq.get_token_ids()
+        if first == num_full:
+            return  # the usual decode step: no block filled up
+        tokens = seq.get_token_ids()  # a copy of them all: only when needed
         for i in range(first, num_full):
             parent_hash = table[i - 1].block_hash if i > 0 else None
             table[i].block_hash = hash_block_tokens(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import PositionLogprobs, Sequence, SequenceGroup
@@ -37,8 +37,22 @@ _LOGPROB_CONTEXT_TOKENS = 4
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        # Every running sequence decodes twice a step, so `decode`'s Python
+        # argument handling (several layers of it) cost more than the
+        # decoding. A fast tokenizer that keeps the stock `decode` returns
+        # exactly its Rust backend's decode when there is no clean-up: call
+        # the backend directly then.
+        cls = type(tokenizer)
+        stock = (
+            isinstance(tokenizer, PreTrainedTokenizerFast)
+            and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode
+        )
+        self._backend = tokenizer.backend_tokenizer if stock else None
 
     def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
         return self.tokenizer.decode(
             token_ids,
             skip_special_tokens=params.skip_special_tokens,
