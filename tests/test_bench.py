@@ -139,11 +139,11 @@ def test_throughput_runs_every_baseline_on_the_same_work(tiny_model_dir):
         assert [len(o) for o in run.outputs] == lens
     # Static batches of 4 then 1 request: every row runs to its batch's longest.
     assert (
-        runs["HF static @ 4"].computed_output_tokens
+        runs["HF static, batch 4"].computed_output_tokens
         == 4 * max(r.output_len for r in requests[:4]) + requests[4].output_len
     )
-    assert runs["HF static @ 4"].kv_cache_tokens == 4 * spec.max_model_len
-    assert runs[f"engine @ 2x{spec.max_model_len} KV"].kv_cache_tokens == 2 * spec.max_model_len
+    assert runs["HF static, batch 4"].kv_cache_tokens == 4 * spec.max_model_len
+    assert runs[f"engine, KV 2x{spec.max_model_len}"].kv_cache_tokens == 2 * spec.max_model_len
     assert set(result.ratios) == {"equal_batch", "equal_kv_memory", "vs_one_at_a_time"}
     assert result.agreement["engine_vs_hf_one_at_a_time"]["compared"] == 2
 

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second")
     parser.add_argument(
-        "--chunk-size", type=int, default=128, help="max_num_batched_tokens with chunked prefill"
+        "--chunk-size", type=int, default=256, help="max_num_batched_tokens with chunked prefill"
     )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)

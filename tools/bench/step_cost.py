@@ -114,19 +114,43 @@ def plot(results: list[StepCost], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_step, ax_seq) = plt.subplots(1, 2, figsize=(10, 4))
-    for caching in (False, True):
+    fig, (ax_step, ax_seq) = plt.subplots(1, 2, figsize=(11, 4))
+    for caching, color in ((False, "tab:blue"), (True, "tab:orange")):
         rows = [r for r in results if r.prefix_caching == caching]
         ns = [r.num_seqs for r in rows]
         label = "prefix caching" if caching else "no prefix caching"
-        ax_step.plot(ns, [r.total_us_per_seq * r.num_seqs / 1e3 for r in rows], "o-", label=label)
-        ax_seq.plot(ns, [r.total_us_per_seq for r in rows], "o-", label=label)
-    ax_step.set(xlabel="running sequences", ylabel="ms per step", title="schedule + process")
-    ax_seq.set(xlabel="running sequences", ylabel="µs per sequence per step", xscale="log")
-    ax_seq.axhline(10, color="grey", ls="--", lw=1, label="target 10 µs")
+        ax_step.plot(
+            ns,
+            [r.total_us_per_seq * r.num_seqs / 1e3 for r in rows],
+            "o-",
+            color=color,
+            label=label,
+        )
+        ax_seq.plot(
+            ns, [r.schedule_us_per_seq for r in rows], "o-", color=color, label=f"schedule, {label}"
+        )
+        ax_seq.plot(
+            ns,
+            [r.total_us_per_seq for r in rows],
+            "s--",
+            color=color,
+            label=f"schedule + process, {label}",
+        )
+    ax_step.set(
+        xlabel="running sequences", ylabel="ms per step", title="schedule + process per decode step"
+    )
+    ax_seq.axhline(10, color="grey", ls=":", lw=1, label="target: scheduler + block manager")
+    ax_seq.set_xscale("log", base=2)
+    ns = sorted({r.num_seqs for r in results})
+    ax_seq.set_xticks(ns, [str(n) for n in ns])
+    ax_seq.set(
+        xlabel="running sequences",
+        ylabel="µs per sequence per step",
+        title="per sequence: flat = linear",
+    )
     ax_seq.set_ylim(bottom=0)
     for ax in (ax_step, ax_seq):
-        ax.legend()
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

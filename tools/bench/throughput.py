@@ -5,15 +5,15 @@ outputs of 16-256 tokens, `ignore_eos`) on a random ~20M-parameter Llama in
 float32, saved once and loaded by both the engine and Hugging Face. Every
 run is timed in this process, one after the other, on the same weights:
 
-- engine @ batch: our engine, `max_num_seqs` = B, with exactly the KV
+- engine, batch B: our engine, `max_num_seqs` = B, with exactly the KV
   memory that static batches of B requests reserve (B x max_model_len);
-- HF static @ batch: `generate` on batches of B requests in arrival order,
+- HF static, batch B: `generate` on batches of B requests in arrival order,
   left-padded, greedy; each batch runs until its longest request is done,
   and finished rows keep computing (their extra tokens are not counted);
-- engine @ budget / HF static @ budget: the same KV memory for both, a
-  budget that holds K requests of max_model_len: static batching must
-  reserve max_model_len for each request, so its batch is K; the engine
-  hands out 16-token blocks as they fill, keeping `max_num_seqs` = B;
+- engine, KV K x max_model_len / HF static, batch K: the same KV memory
+  for both, a budget of K x max_model_len token slots. Static batching
+  must reserve max_model_len for each request, so its batch is K; the
+  engine hands out 16-token blocks as they fill, keeping `max_num_seqs` = B;
 - HF one at a time: `generate` on each request alone (no padding), on the
   first `--single-requests` requests of the workload only (it is slow),
   against the engine's throughput on the whole workload.
@@ -120,7 +120,7 @@ def hf_static(hf, requests: list[BenchRequest], batch_size: int, max_model_len: 
         new = out[:, batch.input_ids.shape[1] :].tolist()
         outputs += [row[: r.output_len] for row, r in zip(new, chunk, strict=True)]
         computed += len(chunk) * batch.max_new_tokens
-    name = "HF one at a time" if batch_size == 1 else f"HF static @ {batch_size}"
+    name = "HF one at a time" if batch_size == 1 else f"HF static, batch {batch_size}"
     return RunResult(
         name,
         batch_size,
@@ -246,12 +246,12 @@ def run_throughput(
 
     llm = make_engine(model_dir, max_num_seqs, batch_kv, max_len, device=device, dtype=dtype)
     warm_up(llm, hf, requests)
-    ours_batch = engine_run(llm, requests, f"engine @ {max_num_seqs}", max_num_seqs, batch_kv)
+    ours_batch = engine_run(llm, requests, f"engine, batch {max_num_seqs}", max_num_seqs, batch_kv)
     del llm
     llm = make_engine(model_dir, max_num_seqs, budget_kv, max_len, device=device, dtype=dtype)
     warm_up(llm, hf, requests)
     ours_budget = engine_run(
-        llm, requests, f"engine @ {budget_seqs}x{max_len} KV", max_num_seqs, budget_kv
+        llm, requests, f"engine, KV {budget_seqs}x{max_len}", max_num_seqs, budget_kv
     )
     del llm
     hf_batch = hf_static(hf, requests, max_num_seqs, max_len)
@@ -305,7 +305,7 @@ def plot(result: ThroughputResult, path) -> None:
     ax.set_xlabel("generated tokens / s")
     m = result.model
     ax.set_title(
-        f"{m['architecture']} {m['parameters'] / 1e6:.0f}M, {m['dtype']} on {m['device']}: "
+        f"{m['architecture']} {m['parameters'] / 1e6:.1f}M, {m['dtype']} on {m['device']}: "
         f"{result.workload['num_requests']} requests"
     )
     ax.margins(x=0.15)
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         default=16,
         help="the equal-memory KV budget, in requests of max_model_len tokens",
     )
-    parser.add_argument("--single-requests", type=int, default=16)
+    parser.add_argument("--single-requests", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 ...")
     parser.add_argument("--quick", action="store_true", help="16 requests of 16-64 + 16-64 tokens")
