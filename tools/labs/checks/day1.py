@@ -63,7 +63,8 @@ def exercise_1(make_params, summarize, llm: LLM) -> None:
         f"make_params() should return a SamplingParams, got {type(params).__name__}"
     )
     assert params.temperature == 0, (
-        f"make_params() should decode greedily (temperature=0), got temperature={params.temperature}"
+        "make_params() should decode greedily (temperature=0), got "
+        f"temperature={params.temperature}"
     )
     assert params.max_tokens == 30, (
         f"make_params() should allow at most 30 new tokens (max_tokens=30), got {params.max_tokens}"
@@ -248,7 +249,7 @@ class _NoWholeSteps:
 _PHASES = ("schedule", "execute", "process")
 
 
-def exercise_4(my_step, llm: LLM, max_steps: int = 300) -> None:
+def exercise_4(my_step, llm: LLM, max_steps: int = 100) -> None:
     params = [_greedy(m) for m in MAX_TOKENS]
     want = _reference(llm, PROMPTS, params)
     engine = llm.llm_engine

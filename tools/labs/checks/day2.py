@@ -1,0 +1,349 @@
+"""Checkers for Day 2, the KV cache and why paging (labs/day2_kv_cache.ipynb).
+
+Each `exercise_k` runs the learner's function on fixed inputs and compares
+it with the engine: `CacheEngine.get_cache_block_size` for the bytes per
+token of real model configurations, the block tables of a traced run for
+the blocks a sequence needs and the reserved memory, and the scheduler's
+admissions under a fixed KV budget for how many sequences fit. It prints
+one line when everything agrees, or raises AssertionError saying what was
+expected, what came back and a hint. A NotImplementedError from an
+unfinished exercise propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import tempfile
+from typing import Any
+
+from transformers import AutoConfig, GemmaConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+from minivllm import LLM, SamplingParams
+from minivllm.assets import DEFAULT_MODEL
+from minivllm.config import ModelConfig
+from minivllm.worker.cache_engine import CacheEngine
+from tools.tracer import load_trace
+
+
+def _passed(k: int) -> None:
+    print(f"Day 2, exercise {k}: passed")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Keep the engine's preemption warnings out of the notebook."""
+    logger = logging.getLogger("minivllm")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# The configurations of real models (their published config.json fields; no
+# weights), and the dtype each is served in here.
+def real_configs() -> dict[str, tuple[Any, int]]:
+    """name -> (Hugging Face config, bytes per element)."""
+    return {
+        "Llama-2-7B": (
+            LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                        intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096),
+            2,
+        ),
+        "Llama-3-8B": (
+            LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                        max_position_embeddings=8192),
+            2,
+        ),
+        "Qwen2-0.5B": (
+            Qwen2Config(num_hidden_layers=24, hidden_size=896, num_attention_heads=14,
+                        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                        max_position_embeddings=32768),
+            2,
+        ),
+        "GPT-2": (GPT2Config(), 2),
+        "Gemma-7B": (
+            GemmaConfig(num_hidden_layers=28, hidden_size=3072, num_attention_heads=16,
+                        num_key_value_heads=16, head_dim=256, intermediate_size=24576,
+                        vocab_size=256000),
+            2,
+        ),
+        "minivllm-stories (float32)": (AutoConfig.from_pretrained(DEFAULT_MODEL), 4),
+    }
+
+
+_DTYPE = {2: "float16", 4: "float32"}
+
+
+@functools.cache
+def _engine_bytes_per_token(name: str) -> int:
+    """What the engine allocates per token for this config: its own
+    CacheEngine.get_cache_block_size with a block of one token."""
+    config, dtype_bytes = real_configs()[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        model_config = ModelConfig(model=tmp, dtype=_DTYPE[dtype_bytes])
+        return CacheEngine.get_cache_block_size(1, model_config)
+
+
+def _shape(config) -> dict[str, int]:
+    heads = config.num_attention_heads
+    return {
+        "layers": config.num_hidden_layers,
+        "heads": heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_size": getattr(config, "head_dim", None) or config.hidden_size // heads,
+    }
+
+
+def exercise_1(kv_cache_bytes_per_token) -> None:
+    for name, (config, dtype_bytes) in real_configs().items():
+        want = _engine_bytes_per_token(name)
+        s = _shape(config)
+        where = (
+            f"{name} ({s['layers']} layers, {s['heads']} query heads, {s['kv_heads']} KV heads, "
+            f"head size {s['head_size']}, {dtype_bytes} bytes per element)"
+        )
+        try:
+            got = kv_cache_bytes_per_token(config, dtype_bytes)
+        except AttributeError as e:
+            raise AssertionError(
+                f"For {where} your function raised AttributeError: {e}. Hint: not every "
+                "config has every field. GPT-2 has no num_key_value_heads (each head keeps its "
+                "own K and V), Qwen2 has no head_dim (it is hidden_size // num_attention_heads): "
+                "fall back the way ModelConfig.get_num_kv_heads and get_head_size do."
+            ) from None
+        if got == want:
+            continue
+        hints = [
+            (want * s["heads"] // s["kv_heads"], "you counted the query heads; only the KV "
+             "heads are cached (grouped-query attention: num_key_value_heads)"),
+            (want // 2, "did you forget that both K and V are cached (the factor 2)?"),
+            (want // dtype_bytes, "that is the number of elements; multiply by dtype_bytes"),
+            (want // s["layers"], "that is one layer; every layer has its own K and V"),
+            (want * (config.hidden_size // s["heads"]) // s["head_size"],
+             "use head_dim when the config sets it: the head size need not be "
+             "hidden_size // num_attention_heads"),
+        ]
+        hint = next((h for value, h in hints if got == value and value != want),
+                    "bytes = 2 (K and V) x layers x kv_heads x head_size x dtype_bytes")
+        raise AssertionError(
+            f"For {where} the engine allocates {want} bytes per token "
+            f"(CacheEngine.get_cache_block_size with a 1-token block), your function gave "
+            f"{got!r}. Hint: {hint}."
+        )
+    _passed(1)
+
+
+# Exercise 2 ---------------------------------------------------------------------
+
+
+def _traced_run(prompt_lens, max_tokens, arrivals=None, **engine_kwargs):
+    """The shipped model's dry run (no weights: the real scheduler and block
+    manager), traced; prompts are token ids. `arrivals[i]` is the number of
+    steps taken before request i is added."""
+    arrivals = arrivals or [0] * len(prompt_lens)
+    with tempfile.TemporaryDirectory() as tmp, _quiet():
+        path = os.path.join(tmp, "run.jsonl")
+        llm = LLM(dry_run=True, trace=path, **engine_kwargs)
+        engine = llm.llm_engine
+        pending = sorted(zip(arrivals, range(len(prompt_lens)), strict=True))
+        step = 0
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][0] <= step:
+                _, i = pending.pop(0)
+                ids = [2 + (7 * i + j) % 500 for j in range(prompt_lens[i])]
+                engine.add_request(
+                    "ABCDEFGH"[i], {"prompt_token_ids": ids},
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True),
+                )
+            engine.step()
+            step += 1
+        engine.stop_trace()
+        return load_trace(path)
+
+
+def exercise_2(blocks_needed) -> None:
+    for block_size in (16, 8, 32, 1):
+        for num_tokens in range(1, 3 * block_size + 2):
+            want = math.ceil(num_tokens / block_size)
+            got = blocks_needed(num_tokens, block_size)
+            full, rest = divmod(num_tokens, block_size)
+            why = (
+                f"{num_tokens} tokens fill exactly {full} block(s): no extra block when the "
+                "last one is exactly full"
+                if rest == 0
+                else f"{num_tokens} tokens fill {full} whole block(s) with {rest} token(s) "
+                "left over, and a partly filled block is still a whole block"
+            )
+            assert got == want, (
+                f"blocks_needed({num_tokens}, {block_size}) should be {want}, got {got!r}. "
+                f"Hint: {why}; round up (ceiling division)."
+            )
+    got = blocks_needed(0, 16)
+    assert got == 0, f"blocks_needed(0, 16) should be 0 (no tokens, no blocks), got {got!r}"
+    trace = _traced_run([1, 7, 8, 9, 16, 17], [10, 3, 9, 8, 1, 12], block_size=8)
+    for step in trace.steps:
+        for seq_id, table in step["block_tables"].items():
+            seq = step["seqs"][seq_id]
+            got = blocks_needed(seq["num_computed_tokens"], trace.block_size)
+            assert got == len(table), (
+                f"In a traced run (block_size {trace.block_size}), after step {step['step']} "
+                f"sequence {seq_id} had {seq['num_computed_tokens']} tokens in the cache and "
+                f"the block manager gave it {len(table)} blocks, {table}; your "
+                f"blocks_needed said {got}."
+            )
+    _passed(2)
+
+
+# Exercise 3 ---------------------------------------------------------------------
+
+
+def reference_kv_usage(step: dict[str, Any], block_size: int, max_model_len: int) -> dict:
+    tables = step["block_tables"]
+    return {
+        "live": sum(step["seqs"][sid]["num_computed_tokens"] for sid in tables),
+        "paged": sum(len(t) for t in tables.values()) * block_size,
+        "contiguous": len(tables) * max_model_len,
+    }
+
+
+# A tight pool (12 blocks of 16 for four requests that need 20 in the end):
+# requests arrive at different steps, one is preempted (RECOMPUTE) and
+# holds no blocks while it waits again.
+_EX3 = dict(
+    prompt_lens=[40, 20, 70, 10], max_tokens=[30, 60, 20, 50], arrivals=[0, 0, 3, 5],
+    block_size=16, num_gpu_blocks_override=12, max_model_len=256, preemption_mode="recompute",
+)
+
+
+def exercise_3(kv_usage) -> None:
+    kwargs = dict(_EX3)
+    trace = _traced_run(kwargs.pop("prompt_lens"), kwargs.pop("max_tokens"),
+                        kwargs.pop("arrivals"), **kwargs)
+    block_size, max_model_len = trace.block_size, trace.header["max_model_len"]
+    for step in trace.steps:
+        want = reference_kv_usage(step, block_size, max_model_len)
+        # The engine's own accounting agrees: blocks in use = pool - free.
+        in_use = (trace.num_gpu_blocks - step["free_blocks"]["gpu"]) * block_size
+        assert want["paged"] == in_use, "internal: the trace's free blocks disagree"
+        got = kv_usage(step, block_size, max_model_len)
+        assert isinstance(got, dict) and set(got) == set(want), (
+            f"kv_usage should return a dict with the keys {sorted(want)}, got {got!r}"
+        )
+        for key in ("live", "paged", "contiguous"):
+            if got[key] == want[key]:
+                continue
+            holders = sorted(step["block_tables"], key=int)
+            others = sorted(set(step["seqs"]) - set(holders), key=int)
+            hint = {
+                "live": "live tokens are those whose K/V are in the cache: each sequence's "
+                "num_computed_tokens (the token sampled this step has no K/V yet), summed over "
+                "the sequences in step['block_tables']",
+                "paged": "the paged engine reserves whole blocks: the length of each block "
+                "table times block_size",
+                "contiguous": "a contiguous reservation gives every sequence that holds KV "
+                "cache max_model_len slots",
+            }[key]
+            raise AssertionError(
+                f"Step {step['step']} (block_size {block_size}, max_model_len {max_model_len}): "
+                f"{key} should be {want[key]}, got {got[key]!r} (the whole answer: {want}). "
+                f"Sequences holding blocks after this step: {holders}; in step['seqs'] but "
+                f"holding none (finished, or preempted and waiting): {others or 'none'}. "
+                f"Hint: {hint}."
+            )
+    _passed(3)
+
+
+# Exercise 4 ---------------------------------------------------------------------
+
+
+def reference_how_many_fit(budget_bytes, bytes_per_token, block_size, max_model_len, seq_lens):
+    slots = budget_bytes // bytes_per_token
+    contiguous = min(len(seq_lens), slots // max_model_len)
+    free = budget_bytes // (bytes_per_token * block_size)
+    paged = 0
+    for n in seq_lens:
+        need = -(-n // block_size)
+        if need > free:
+            break
+        free -= need
+        paged += 1
+    return contiguous, paged
+
+
+_PLAIN_CASES = [
+    # Llama-3-8B (128 KiB per token) with 40 GiB of KV cache, max_model_len 8192.
+    (40 << 30, 131072, 16, 8192, [1000] * 400),
+    (40 << 30, 131072, 16, 8192, [8192] * 50),
+    # Llama-2-7B (512 KiB per token), 20 GiB, max_model_len 4096, mixed lengths.
+    (20 << 30, 524288, 16, 4096, [300, 1200, 4096, 50, 700, 2000, 3500, 900, 100] * 4),
+    # The shipped model, small budgets.
+    (30 * 16 * 2048, 2048, 16, 512, [100, 30, 64, 17, 200, 5, 90]),
+    (25 * 16 * 2048, 2048, 16, 512, [100, 300, 10]),
+    (64 * 8 * 2048, 2048, 8, 256, [9, 8, 7, 16, 17, 1, 64, 120, 33]),
+]
+
+
+def _engine_admits(budget_bytes, block_size, max_model_len, seq_lens) -> int:
+    """How many of these prompts the real scheduler admits in its first step,
+    with nothing but the KV budget in the way."""
+    with _quiet():
+        llm = LLM(dry_run=True, kv_cache_memory_bytes=budget_bytes, block_size=block_size,
+                  max_model_len=max_model_len,
+                  max_num_batched_tokens=max(sum(seq_lens), max_model_len),
+                  max_num_seqs=len(seq_lens))
+    engine = llm.llm_engine
+    for i, n in enumerate(seq_lens):
+        engine.add_request(str(i), {"prompt_token_ids": [2 + j % 500 for j in range(n)]},
+                           SamplingParams(temperature=0.0, max_tokens=1))
+    return len(engine.step())
+
+
+def exercise_4(how_many_fit) -> None:
+    for case in _PLAIN_CASES:
+        budget, per_token, block_size, max_model_len, lens = case
+        want = reference_how_many_fit(*case)
+        got = how_many_fit(budget, per_token, block_size, max_model_len, list(lens))
+        described = (
+            f"how_many_fit({budget}, {per_token}, {block_size}, {max_model_len}, "
+            f"{len(lens)} sequences of lengths {lens[:9]}{' ...' if len(lens) > 9 else ''})"
+        )
+        assert isinstance(got, tuple) and len(got) == 2, (
+            f"{described} should return a pair (contiguous, paged), got {got!r}"
+        )
+        assert got[0] == want[0], (
+            f"{described}: contiguous should be {want[0]}, got {got[0]}. Hint: each sequence "
+            "reserves max_model_len slots whatever its length; the budget holds "
+            "budget_bytes // bytes_per_token slots, and there are only len(seq_lens) "
+            "sequences."
+        )
+        if got[1] != want[1]:
+            skipped = reference_how_many_fit(
+                budget, per_token, block_size, max_model_len, sorted(lens)
+            )[1]
+            hint = (
+                "the scheduler admits in arrival order and stops at the first sequence that "
+                "does not fit (first come, first served: no overtaking)"
+                if got[1] > want[1] and skipped >= got[1]
+                else "each sequence takes ceil(length / block_size) whole blocks, and the "
+                "budget holds budget_bytes // (bytes_per_token * block_size) blocks"
+            )
+            raise AssertionError(f"{described}: paged should be {want[1]}, got {got[1]}. "
+                                 f"Hint: {hint}.")
+    # The real scheduler agrees (budgets under 100 blocks: no watermark held back).
+    for budget, per_token, block_size, max_model_len, lens in _PLAIN_CASES[3:]:
+        admitted = _engine_admits(budget, block_size, max_model_len, lens)
+        got = how_many_fit(budget, per_token, block_size, max_model_len, list(lens))[1]
+        assert got == admitted, (
+            f"With a {budget}-byte KV cache and block_size {block_size}, the engine's "
+            f"scheduler admitted {admitted} of the prompts {lens} in its first step; your "
+            f"how_many_fit says {got} fit."
+        )
+    _passed(4)
