@@ -1,8 +1,9 @@
 """`make demo`: generate from a few prompts with the vLLM-style API.
 
-Until the course's trained model ships in the repo, this builds a tiny
-randomly initialised Llama checkpoint on the fly (so its text is gibberish;
-the point is the engine). Pass a checkpoint directory to use a real model:
+By default this runs the small story model that ships in the package
+(minivllm/assets/), so the text is readable: greedy decoding finishes its
+stories by itself ("stop"), while the sampled ones are cut at `max_tokens`
+("length"). Pass a checkpoint directory to use another model:
 
     python tools/demo.py [MODEL_DIR]
 """
@@ -11,35 +12,23 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from tools.tiny_models import make_tiny_model  # noqa: E402
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
-        model = sys.argv[1]
-    else:
-        model = make_tiny_model("llama", os.path.join(tempfile.mkdtemp(), "tiny-llama"))
-        print(f"Built a tiny random Llama checkpoint at {model}\n")
-
-    llm = LLM(model=model)
-    prompts = [
-        "Hello, my name is",
-        "The capital of France is",
-        "Once upon a time",
-        "The scheduler picks",
-    ]
-    greedy = SamplingParams(temperature=0, max_tokens=24)
-    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24)
+    # No model: LLM() loads the shipped story model.
+    llm = LLM(model=sys.argv[1]) if len(sys.argv) > 1 else LLM()
+    prompts = ["Once upon a time", "The little dog", "Lily was a kind girl"]
+    greedy = SamplingParams(temperature=0, max_tokens=256)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40)
     for title, params in (("greedy", greedy), ("temperature 0.8, top_p 0.95", sampled)):
         print(f"== {title} ==")
         for out in llm.generate(prompts, params):
             completion = out.outputs[0]
-            print(f"{out.prompt!r} -> {completion.text!r}")
+            print(out.prompt + completion.text)
             ids = completion.token_ids[:12]
             print(f"    token_ids={ids}...  finish_reason={completion.finish_reason}")
         print()

@@ -15,9 +15,9 @@ from minivllm.assets import DEFAULT_MODEL
 OPENINGS = [
     "Once upon a time",
     "The little dog",
-    "One day, Lily",
+    "Lily was a kind girl",
     "There was once a brave fox",
-    "Tom had a red kite",
+    "Long ago, there was a shy rabbit called Tom",
     "In a small house by the sea",
 ]
 
