@@ -8,15 +8,19 @@ PIP := $(PY) -m pip
 # version keeps pip from pulling multi-GB CUDA wheels on a CPU machine.
 TORCH_SPEC ?= torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+# A room without network: `make wheelhouse` (once, online, same OS and Python)
+# fills wheelhouse/; then `make setup WHEELHOUSE=wheelhouse` installs from it alone.
+WHEELHOUSE ?=
+OFFLINE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE),)
 
-.PHONY: setup demo test lint bench lab clean
+.PHONY: setup demo test lint bench lab wheelhouse clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) "$(TORCH_SPEC)"
-	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) -e ".[dev,trace]"
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) $(OFFLINE) "$(TORCH_SPEC)"
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) $(OFFLINE) -e ".[dev,trace]"
 	@# Graphviz's dot draws the tracer's block diagrams (minivllm-trace render).
 	@command -v dot >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -q graphviz >/dev/null 2>&1 || \
@@ -44,8 +48,13 @@ bench: setup
 
 # JupyterLab on the generated labs (tools/labs/FORMAT.md).
 lab: setup
-	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) -e ".[dev,trace,lab]"
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) $(OFFLINE) -e ".[dev,trace,lab]"
 	$(VENV)/bin/jupyter lab labs/
+
+wheelhouse:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# One resolution, so the pinned torch (not a CUDA build) satisfies the package.
+	$(PIP) download -q -d wheelhouse $(FIND_LINKS) "$(TORCH_SPEC)" setuptools wheel ".[dev,trace,lab]"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -28,7 +28,11 @@ def _run(path: Path, timeout: int) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("TQDM_DISABLE", "1")  # the kernel inherits it
     resources = {"metadata": {"path": str(path.parent)}}
-    NotebookClient(nb, timeout=timeout, allow_errors=True, resources=resources).execute()
+    # record_timing=False: no timestamps in cell metadata, so re-runs change nothing.
+    client = NotebookClient(
+        nb, timeout=timeout, allow_errors=True, record_timing=False, resources=resources
+    )
+    client.execute()
     return nb
 
 

@@ -55,7 +55,7 @@ class Lifecycle:
         return sum(state not in (PREFILL, DECODE) for _, state in self.states)
 
 
-@dataclass
+@dataclass(repr=False)
 class Trace:
     header: dict[str, Any]
     requests: dict[str, dict[str, Any]]  # request id -> its request line
@@ -136,6 +136,13 @@ class Trace:
             raise IndexError(f"step {n} is not in this trace (steps 0 to {len(self.steps) - 1})")
         return StepView(self, n)
 
+    def __repr__(self) -> str:
+        # Short and free of timings, so notebooks print the same thing every run.
+        return (
+            f"<Trace: {len(self.steps)} steps, {len(self.requests)} requests, "
+            f"block_size {self.block_size}, {self.num_gpu_blocks} GPU blocks>"
+        )
+
     def _repr_html_(self) -> str:
         from tools.tracer.notebook import trace_html
 
@@ -146,7 +153,7 @@ class Trace:
 class StepView:
     """One step of a trace, drawn inline by Jupyter (needs Graphviz's dot)."""
 
-    trace: Trace
+    trace: Trace = field(repr=False)
     n: int
 
     def _repr_svg_(self) -> str:
