@@ -16,7 +16,7 @@ from typing import Any
 from minivllm import LLM, SamplingParams
 from minivllm.outputs import RequestOutput
 
-PROMPTS = ["Once upon a time", "The little dog", "One day, Mia found"]
+PROMPTS = ["Once upon a time", "The little dog", "Lily was a kind girl"]
 # Different lengths, so the requests finish in another order than they came.
 MAX_TOKENS = [24, 5, 12]
 _SUMMARY_KEYS = {"prompt_tokens", "output_tokens", "finish_reason", "text"}
