@@ -1,0 +1,314 @@
+"""Checkers for day 5, the block manager (labs/day5_block_manager.ipynb).
+
+Each runs the learner's code beside the reference (core/block_allocator.py,
+core/block_manager.py) and prints one line, or raises AssertionError saying
+what was expected, what came back, and where to look.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from minivllm import SamplingParams
+from minivllm.core.block_allocator import BlockAllocator, Device, PhysicalTokenBlock
+from minivllm.core.block_manager import BlockSpaceManager
+from tools.labs.checks._engine_runs import (
+    Run,
+    describe_step,
+    first_difference,
+    learner_code,
+    run_traced,
+)
+
+
+def _passed(k: int) -> None:
+    print(f"Day 5, exercise {k}: passed")
+
+
+# -- exercise 1: a free list ---------------------------------------------------
+
+
+def _script(alloc, doing: list[str] | None = None) -> list:
+    """A fixed sequence of allocations, shares and frees; what each returns.
+    `doing` receives the name of each operation as it starts."""
+    log = []
+    doing = [] if doing is None else doing
+    doing.append("allocate() three times")
+    a, b, c = alloc.allocate(), alloc.allocate(), alloc.allocate()
+    log.append(("allocate x3", [a.block_number, b.block_number, c.block_number]))
+    log.append(("ref counts", [a.ref_count, b.ref_count, c.ref_count]))
+    log.append(("free blocks", alloc.get_num_free_blocks()))
+    doing.append("free(b)")
+    alloc.free(b)
+    log.append(("free(b): free blocks", alloc.get_num_free_blocks()))
+    doing.append("allocate() after free(b)")
+    d = alloc.allocate()
+    log.append(("allocate after free(b)", d.block_number))
+    a.ref_count += 1  # a second sequence maps block a (what fork does)
+    doing.append("free(a) with a.ref_count == 2")
+    alloc.free(a)
+    log.append(("shared a, free(a) once: free blocks", alloc.get_num_free_blocks()))
+    log.append(("shared a, free(a) once: a.ref_count", a.ref_count))
+    doing.append("free(a) again, its last reference")
+    alloc.free(a)
+    log.append(("free(a) again: free blocks", alloc.get_num_free_blocks()))
+    doing.append("free(c), then allocate() twice")
+    alloc.free(c)
+    e, f = alloc.allocate(), alloc.allocate()
+    log.append(("allocate x2 after free(a), free(c)", [e.block_number, f.block_number]))
+    return log
+
+
+def exercise_1(allocator_cls) -> None:
+    """The learner's allocator against core/block_allocator.py::BlockAllocator."""
+    ref_log = _script(BlockAllocator(Device.GPU, 16, 5))
+    mine = allocator_cls(Device.GPU, 16, 5)
+    with learner_code(f"{allocator_cls.__name__}"):
+        block = mine.allocate()
+        mine.free(block)
+    assert isinstance(block, PhysicalTokenBlock), (
+        f"allocate() should return a PhysicalTokenBlock (the engine reads its block_number, "
+        f"ref_count and device), got {type(block).__name__}"
+    )
+    mine, doing = allocator_cls(Device.GPU, 16, 5), []
+    try:
+        got_log = _script(mine, doing)
+    except (NotImplementedError, AssertionError):
+        raise
+    except Exception as error:  # noqa: BLE001 - reported to the learner
+        raise AssertionError(
+            f"On a pool of 5 blocks, {allocator_cls.__name__} raised {type(error).__name__}: "
+            f"{error} during '{doing[-1]}' (steps so far: {doing}). Hint: free() of a shared "
+            "block (ref_count 2) only drops one reference; the block is free, and may be freed "
+            "no more, only once the count reaches 0."
+        ) from error
+    for (what, expected), (_, got) in zip(ref_log, got_log, strict=True):
+        assert got == expected, (
+            f"With a pool of 5 blocks, after '{what}' the reference gives {expected}, yours "
+            f"{got}.\nHint: a new block starts with ref_count 1; free() decrements ref_count and "
+            "only a block whose count reaches 0 goes back on the free list; the next "
+            "allocate() takes the most recently freed block (a stack), and a fresh pool hands "
+            "out block 0 first."
+        )
+    full = allocator_cls(Device.CPU, 16, 2)
+    with learner_code(f"{allocator_cls.__name__}"):
+        x = full.allocate()
+        full.allocate()
+        assert x.device == Device.CPU, "a block should remember its allocator's device"
+    try:
+        full.allocate()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(
+            "allocate() on an empty pool should raise ValueError (out of memory): the block "
+            "manager asks can_allocate/can_append_slots first, so this is a bug, not a wait"
+        )
+    with learner_code(f"{allocator_cls.__name__}"):
+        full.free(x)
+    try:
+        full.free(x)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(
+            "free() of a block whose ref_count is already 0 should raise ValueError (a double "
+            "free): silently putting it on the free list twice would hand one block to two "
+            "sequences"
+        )
+    _passed(1)
+
+
+# -- exercise 2: slots -----------------------------------------------------------
+
+
+def exercise_2(num_blocks_needed, slot_mapping) -> None:
+    """Block counts and slot numbers, against the slots the engine wrote in a trace."""
+    for n, bs, want in [(1, 16, 1), (16, 16, 1), (17, 16, 2), (40, 16, 3), (0, 16, 0), (9, 4, 3)]:
+        got = num_blocks_needed(n, bs)
+        assert got == want, (
+            f"num_blocks_needed({n}, block_size={bs}) should be {want}, got {got}. "
+            "Hint: a partly filled block still takes a whole block (round up)."
+        )
+    got = slot_mapping([7, 2, 9], [0, 3, 4, 11], 4)
+    assert list(got) == [28, 31, 8, 39], (
+        f"slot_mapping([7, 2, 9], positions=[0, 3, 4, 11], block_size=4) should be "
+        f"[28, 31, 8, 39], got {list(got)}. Hint: position p lives in logical block "
+        "p // block_size at offset p % block_size; the block table maps the logical block "
+        "to a physical one, and the slot is physical * block_size + offset."
+    )
+    run = _slot_run()
+    for step in run.trace.steps:
+        for entry in step["scheduled"]:
+            table = step["block_tables"].get(str(entry["seq_id"]))
+            if table is None:
+                continue  # finished in this step: its blocks are already freed
+            got = list(slot_mapping(table, entry["positions"], run.trace.block_size))
+            assert got == entry["slot_mapping"], (
+                f"In step {step['step']} of a traced run, request {entry['request_id']} "
+                f"(block table {table}) wrote positions {entry['positions']} to slots "
+                f"{entry['slot_mapping']}; your slot_mapping gives {got}"
+            )
+    _passed(2)
+
+
+@functools.lru_cache(maxsize=1)
+def _slot_run() -> Run:
+    prompts = [[(5 * i + 3 * j) % 900 + 5 for j in range(n)] for i, n in enumerate([5, 12, 9])]
+    return run_traced(
+        prompts,
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        dry_run=True,
+        block_size=4,
+        num_gpu_blocks_override=9,
+    )
+
+
+# -- exercises 3 and 4: a block manager inside the engine ---------------------------
+
+_HINTS = {
+    "block_tables": "A table grows by one block when the next token starts a new block "
+    "(token i lives in logical block i // block_size), keeps the order in which the blocks "
+    "were allocated, and disappears when the sequence is freed. Forked sequences start with the "
+    "same blocks (shared, ref_count > 1), and a write into a shared last block copies it "
+    "first (copy-on-write).",
+    "free_blocks": "More free blocks in the reference means yours leaks: a finished or "
+    "preempted sequence must give every block back (free() decrements each block's "
+    "ref_count). Fewer in the reference means yours frees too much, or allocates too little.",
+    "copy": "The copy list holds (src, dst) pairs of copy-on-write: when a sequence is about "
+    "to write into a last block it shares (ref_count > 1), it gets a fresh block, the old "
+    "one loses a reference, and (old, new) is returned from append_slots.",
+    "scheduled": "The scheduler admits and preempts by asking the block manager: if batches "
+    "differ, your free-block count differs, or can_allocate/can_append_slots see wrong "
+    "ref counts.",
+    "queues_after": "Requests moved between queues differently: check that allocate gives a "
+    "prompt all the blocks it needs and that free returns them all.",
+    "preempted": "Preemptions differ: the cache filled up at a different step, which "
+    "usually means blocks were leaked or over-allocated earlier.",
+}
+
+
+_ENGINE_HINT = (
+    "\nHint: 'Out of memory' from the allocator means a block was taken that the scheduler did "
+    "not plan for (append_slots allocates only when len(table) < seq.n_blocks, or to copy a "
+    "shared last block). 'Double free' means a block lost more references than it had: does "
+    "every sequence that maps a block hold one reference (allocate, fork)?"
+)
+
+
+def _compare(ref: Run, got: Run, label: str) -> None:
+    diff = first_difference(ref.trace, got.trace)
+    if diff is None:
+        return
+    step, field, want, have = diff
+    context = ""
+    if step > 0 and step - 1 < len(ref.trace.steps):
+        before = describe_step(ref.trace.steps[step - 1])
+        context = "\nThe step before, in the reference:\n  " + before
+    raise AssertionError(
+        f"{label}: step {step}'s {field} differ from the reference's.\n"
+        f"  reference: {want}\n  yours:     {have}\n"
+        f"Hint: {_HINTS.get(field, 'compare the two runs step by step with the tracer.')}"
+        f"{context}"
+    )
+
+
+def _check_in_engine(cls, label: str, prompts, params, dry_run: bool, **engine) -> None:
+    ref = run_traced(prompts, params, dry_run, **engine)
+    with learner_code(f"{cls.__name__}, inside the engine ({label}),", _ENGINE_HINT):
+        got = run_traced(
+            prompts, params, dry_run, max_steps=3 * len(ref.trace.steps) + 20,
+            block_manager_cls=cls, **engine,
+        )
+    bm = got.llm.llm_engine.scheduler.block_manager
+    assert type(bm) is cls, f"the engine should have used {cls.__name__}, it used {type(bm)}"
+    _compare(ref, got, label)
+    assert got.outputs == ref.outputs, (
+        f"{label}: the generated tokens differ from the reference's although every block "
+        f"table agreed.\n  reference: {ref.texts}\n  yours:     {got.texts}"
+    )
+    total = bm.num_total_gpu_blocks
+    assert not bm.block_tables and bm.get_num_free_gpu_blocks() == total, (
+        f"{label}: once every request finished, all {total} device blocks should be free and "
+        f"no block table left; yours has {bm.get_num_free_gpu_blocks()} free and tables for "
+        f"seqs {sorted(bm.block_tables)}. Hint: free(seq) must release every block of the "
+        "sequence's table, and forget the table."
+    )
+
+
+def _token_prompts(lengths: list[int]) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 900 + 5 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Mia went to"]
+
+
+def exercise_3(block_manager_cls) -> None:
+    """allocate / append_slots / free of single sequences, under memory pressure."""
+    if not issubclass(block_manager_cls, BlockSpaceManager):
+        raise AssertionError("the block manager must subclass BlockSpaceManager")
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # Prompts on and around block boundaries (16, 17, 31); 12 blocks cannot
+    # hold them all at full length: RECOMPUTE preemptions, then SWAP ones.
+    lengths = [40, 16, 17, 31, 5, 40]
+    for mode in ("recompute", "swap"):
+        _check_in_engine(
+            block_manager_cls,
+            f"dry run, six prompts, 12 blocks of 16, preemption by {mode}",
+            _token_prompts(lengths),
+            greedy,
+            dry_run=True,
+            block_size=16,
+            num_gpu_blocks_override=12,
+            preemption_mode=mode,
+            swap_space=0.01,
+        )
+    _check_in_engine(
+        block_manager_cls,
+        "the story model, three prompts, 8 blocks of 8",
+        STORY_PROMPTS,
+        SamplingParams(temperature=0, max_tokens=20),
+        dry_run=False,
+        block_size=8,
+        num_gpu_blocks_override=8,
+    )
+    _passed(3)
+
+
+def exercise_4(block_manager_cls) -> None:
+    """fork and copy-on-write: parallel sampling (n > 1), under memory pressure."""
+    if not issubclass(block_manager_cls, BlockSpaceManager):
+        raise AssertionError("the block manager must subclass BlockSpaceManager")
+    _check_in_engine(
+        block_manager_cls,
+        "dry run, n=2 and n=3, 32 blocks of 16",
+        _token_prompts([20, 40, 32]),
+        [
+            SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=14, ignore_eos=True),
+            SamplingParams(n=3, temperature=0.8, seed=2, max_tokens=12, ignore_eos=True),
+            SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
+        ],
+        dry_run=True,
+        block_size=16,
+        num_gpu_blocks_override=32,
+    )
+    _check_in_engine(
+        block_manager_cls,
+        "dry run, n=2, 12 blocks of 16 (forked groups preempt by SWAP)",
+        _token_prompts([40, 16, 31]),
+        SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
+        dry_run=True,
+        block_size=16,
+        num_gpu_blocks_override=12,
+        swap_space=0.01,
+    )
+    _check_in_engine(
+        block_manager_cls,
+        "the story model, n=2, seeded, 8 blocks of 8",
+        STORY_PROMPTS[:2],
+        SamplingParams(n=2, temperature=0.8, seed=0, max_tokens=12),
+        dry_run=False,
+        block_size=8,
+        num_gpu_blocks_override=8,
+    )
+    _passed(4)
