@@ -39,12 +39,14 @@ lint: setup
 	$(PY) -m ruff check .
 
 # The CPU benchmarks (tools/bench/), a few minutes in all; each prints its
-# table and writes tools/bench/results/<name>.json and .png.
+# table and writes tools/bench/results/<name>.json and .png. On a busy
+# machine: make bench BENCH_FLAGS="--threads 1" (the model's CPU threads).
+BENCH_FLAGS ?=
 bench: setup
 	$(PY) -m tools.bench.kv_efficiency
 	$(PY) -m tools.bench.step_cost
-	$(PY) -m tools.bench.latency
-	$(PY) -m tools.bench.throughput
+	$(PY) -m tools.bench.latency $(BENCH_FLAGS)
+	$(PY) -m tools.bench.throughput $(BENCH_FLAGS)
 
 # JupyterLab on the generated labs (tools/labs/FORMAT.md).
 lab: setup

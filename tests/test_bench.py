@@ -137,11 +137,18 @@ def test_throughput_runs_every_baseline_on_the_same_work(tiny_model_dir):
     for run in result.runs:
         lens = [r.output_len for r in requests[: run.num_requests]]
         assert [len(o) for o in run.outputs] == lens
-    # Static batches of 4 then 1 request: every row runs to its batch's longest.
-    assert (
-        runs["HF static, batch 4"].computed_output_tokens
-        == 4 * max(r.output_len for r in requests[:4]) + requests[4].output_len
-    )
+    # Static batches of 4 then 1 request: every row is padded to its batch's
+    # longest prompt, then runs until its batch's longest output.
+    first, last = requests[:4], requests[4]
+    longest_prompt = max(len(r.prompt_token_ids) for r in first)
+    assert runs["HF static, batch 4"].computed_tokens == 4 * (
+        longest_prompt + max(r.output_len for r in first) - 1
+    ) + (len(last.prompt_token_ids) + last.output_len - 1)
+    # The engine runs each prompt once and each output token but the last
+    # (the budgeted run may recompute preempted requests: at least as many).
+    exact = sum(len(r.prompt_token_ids) + r.output_len - 1 for r in requests)
+    assert runs["engine, batch 4"].computed_tokens == exact
+    assert runs[f"engine, KV 2x{spec.max_model_len}"].computed_tokens >= exact
     assert runs["HF static, batch 4"].kv_cache_tokens == 4 * spec.max_model_len
     assert runs[f"engine, KV 2x{spec.max_model_len}"].kv_cache_tokens == 2 * spec.max_model_len
     assert set(result.ratios) == {"equal_batch", "equal_kv_memory", "vs_one_at_a_time"}

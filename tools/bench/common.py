@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -158,6 +159,19 @@ def print_table(rows: list[dict], title: str | None = None) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
 
+def set_threads(num_threads: int | None) -> None:
+    """Use `num_threads` CPU threads in torch and in the Numba kernel (None:
+    their defaults, one per core). On a busy machine one thread is steadier:
+    a thread pool waits for its slowest thread at every operation, and a
+    thread that lost its core stalls every small matmul."""
+    if num_threads is None:
+        return
+    import numba
+
+    torch.set_num_threads(num_threads)
+    numba.set_num_threads(num_threads)
+
+
 def machine_info() -> dict:
     """Where and when a result was measured, load included: on a shared
     machine the load average says how far to trust a timing."""
@@ -172,6 +186,7 @@ def machine_info() -> dict:
         "cpu": cpu,
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "numba_threads": _numba_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "load_average_1m": os.getloadavg()[0],
@@ -181,15 +196,25 @@ def machine_info() -> dict:
     return info
 
 
+def _numba_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
 def write_result(name: str, payload: dict, path: str | None = None) -> Path:
     """Write `payload` plus the machine's description as JSON; by default to
     tools/bench/results/<name>.json. Returns the path."""
     out = Path(path) if path else RESULTS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump({"benchmark": name, "machine": machine_info(), **payload}, f, indent=1)
-        f.write("\n")
+    text = json.dumps({"benchmark": name, "machine": machine_info(), **payload}, indent=1)
+    # Lists of numbers on one line each: per-step series stay small and diffable.
+    text = _NUMBER_LIST.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    out.write_text(text + "\n", encoding="utf-8")
     return out
+
+
+_NUMBER_LIST = re.compile(r"\[\s+((?:-?[\d.eE+-]+|null)(?:,\s+(?:-?[\d.eE+-]+|null))*)\s+\]")
 
 
 def plot_path(name: str, json_path: str | None) -> Path:

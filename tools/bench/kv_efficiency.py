@@ -292,7 +292,12 @@ def main(argv: list[str] | None = None) -> None:
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "summary": summaries,
-        "per_step": {r.scheme: [asdict(s) for s in r.steps] for r in results},
+        "per_step": {
+            r.scheme: {
+                f: [getattr(s, f) for s in r.steps] for f in ("reserved", "live", "num_running")
+            }
+            for r in results
+        },
     }
     out = write_result("kv_efficiency", payload, args.json)
     if not args.no_plot:

@@ -17,7 +17,7 @@ prefills) and on (`enable_chunked_prefill`, at most `--chunk-size` tokens a
 step: prompts are split, decodes go first). Reported as p50 and p99 over
 the requests (with few requests, p99 is close to the maximum).
 
-    python -m tools.bench.latency                 # 64 requests at 2 req/s, 20M model
+    python -m tools.bench.latency                 # 40 requests at 1 req/s, 20M model
     python -m tools.bench.latency --quick         # 12 requests, tiny model
 """
 
@@ -41,6 +41,7 @@ from tools.bench.common import (
     poisson_arrival_times,
     print_table,
     sample_requests,
+    set_threads,
     write_result,
 )
 
@@ -170,14 +171,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-size", choices=sorted(MODEL_PRESETS), default="20m")
     parser.add_argument("--model", help="an existing checkpoint directory instead")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=40)
     parser.add_argument(
         "--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
     )
     parser.add_argument(
         "--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
     )
-    parser.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    parser.add_argument("--rate", type=float, default=1.0, help="requests per second")
     parser.add_argument(
         "--chunk-size", type=int, default=256, help="max_num_batched_tokens with chunked prefill"
     )
@@ -185,9 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="12 requests, tiny model, 8 req/s")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: one per core)")
     parser.add_argument("--json", help="result path (default: tools/bench/results/)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    set_threads(args.threads)
     if args.quick:
         args.model_size, args.num_requests, args.rate = "tiny", 12, 8.0
     spec = WorkloadSpec(args.num_requests, *args.prompt_len, *args.output_len, args.seed)
@@ -222,7 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         },
         "summary": summaries,
         "per_request": {
-            ("chunked" if run.chunked_prefill else "unchunked"): [asdict(r) for r in run.requests]
+            ("chunked" if run.chunked_prefill else "unchunked"): {
+                f: [getattr(r, f) for r in run.requests]
+                for f in ("arrival", "ttft", "tpot", "output_len")
+            }
             for run in runs
         },
     }

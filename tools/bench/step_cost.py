@@ -2,12 +2,19 @@
 
 With the model-free dry run (`LLM(model, dry_run=True)`: the real
 scheduler, block manager and output processing, a hash for a model), N
-requests are prefilled together and then decode together; for each decode
-step in which all N run, the engine's step observer reports the time of
-its phases. We keep schedule (queues, budgets, block tables, the batch's
-metadata) + process (append, detokenize, stop checks, frees, outputs,
-stats) and leave out execute (the dry run's stand-in for the model), then
-report the median over the steps, in µs per sequence per step.
+requests are prefilled together and then decode together. For each decode
+step in which all N run we time its three phases: schedule (the scheduler
+and block manager: queues, budgets, slots, block tables, the batch's
+metadata), execute (the dry run's stand-in for the model: not the engine's
+cost, left out) and process (append, detokenize, stop checks, frees,
+outputs, stats); we report the median over the steps, in µs per sequence
+per step, from the least disturbed of `--repeats` runs.
+
+Times are CPU time of the engine's thread (`time.thread_time`), so that
+other processes on a shared machine, which take the CPU away in the middle
+of a step, do not count; the wall time of schedule + process is reported
+beside it. The phases are timed by wrapping `scheduler.schedule` and
+`worker.execute_model` of this engine; process is the rest of `step()`.
 
 If the bookkeeping is linear in N, µs/seq/step stays flat from 16 to 1024
 sequences; a quadratic term would make it grow with N. With prefix caching
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from minivllm import LLM, SamplingParams
@@ -42,26 +51,26 @@ class StepCost:
     num_seqs: int
     prefix_caching: bool
     steps: int
-    schedule_us_per_seq: float
-    process_us_per_seq: float
-    total_us_per_seq: float
-    dry_model_us_per_seq: float  # execute: the dry run's hash, not the engine's cost
+    schedule_us_per_seq: float  # CPU time
+    process_us_per_seq: float  # CPU time
+    total_us_per_seq: float  # CPU time, schedule + process
+    total_wall_us_per_seq: float  # wall time, schedule + process
+    dry_model_us_per_seq: float  # execute, CPU time: the dry run's hash, not the engine's cost
 
 
-class _PhaseTimes:
-    """A step observer that keeps the phase times of full decode steps."""
+class _Timed:
+    """Wraps a callable; keeps the (CPU, wall) seconds and result of its last call."""
 
-    def __init__(self, num_seqs: int) -> None:
-        self.num_seqs = num_seqs
-        self.steps: list[tuple[float, float, float]] = []
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.cpu = self.wall = 0.0
+        self.result = None
 
-    def on_add_request(self, engine, seq_group) -> None:
-        pass
-
-    def on_step(self, engine, record) -> None:
-        outputs = record.scheduler_outputs
-        if outputs.num_prefill_groups == 0 and len(outputs.scheduled_seq_groups) == self.num_seqs:
-            self.steps.append((record.schedule_ms, record.process_ms, record.execute_ms))
+    def __call__(self, *args, **kwargs):
+        cpu, wall = time.thread_time(), time.perf_counter()
+        self.result = self.fn(*args, **kwargs)
+        self.cpu, self.wall = time.thread_time() - cpu, time.perf_counter() - wall
+        return self.result
 
 
 def measure_step_cost(
@@ -83,21 +92,37 @@ def measure_step_cost(
         enable_prefix_caching=prefix_caching,
     )
     engine = llm.llm_engine
-    observer = _PhaseTimes(num_seqs)
-    engine.add_step_observer(observer)
+    schedule = engine.scheduler.schedule = _Timed(engine.scheduler.schedule)
+    execute = engine.worker.execute_model = _Timed(engine.worker.execute_model)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     shared = [2 + i % (vocab_size - 2) for i in range(BLOCK_SIZE)]
     for i in range(num_seqs):
         own = [2 + (i * 31 + j * 7) % (vocab_size - 2) for j in range(PROMPT_LEN - BLOCK_SIZE)]
         engine.add_request(str(i), {"prompt_token_ids": shared + own}, params)
+    steps = []  # (schedule, process, execute) CPU seconds, schedule + process wall seconds
     while engine.has_unfinished_requests():
+        cpu, wall = time.thread_time(), time.perf_counter()
         engine.step()
-    steps = observer.steps[1:-1]
-    schedule = statistics.median(s[0] for s in steps) * 1e3 / num_seqs
-    process = statistics.median(s[1] for s in steps) * 1e3 / num_seqs
-    total = statistics.median(s[0] + s[1] for s in steps) * 1e3 / num_seqs
-    model = statistics.median(s[2] for s in steps) * 1e3 / num_seqs
-    return StepCost(num_seqs, prefix_caching, len(steps), schedule, process, total, model)
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+        outputs = schedule.result[1]
+        if outputs.num_prefill_groups == 0 and len(outputs.scheduled_seq_groups) == num_seqs:
+            process = cpu - schedule.cpu - execute.cpu
+            steps.append((schedule.cpu, process, execute.cpu, wall - execute.wall))
+    steps = steps[1:-1]
+
+    def us_per_seq(values) -> float:
+        return statistics.median(values) * 1e6 / num_seqs
+
+    return StepCost(
+        num_seqs,
+        prefix_caching,
+        len(steps),
+        schedule_us_per_seq=us_per_seq(s[0] for s in steps),
+        process_us_per_seq=us_per_seq(s[1] for s in steps),
+        total_us_per_seq=us_per_seq(s[0] + s[1] for s in steps),
+        total_wall_us_per_seq=us_per_seq(s[3] for s in steps),
+        dry_model_us_per_seq=us_per_seq(s[2] for s in steps),
+    )
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -137,7 +162,9 @@ def plot(results: list[StepCost], path) -> None:
             label=f"schedule + process, {label}",
         )
     ax_step.set(
-        xlabel="running sequences", ylabel="ms per step", title="schedule + process per decode step"
+        xlabel="running sequences",
+        ylabel="CPU ms per step",
+        title="schedule + process per decode step",
     )
     ax_seq.axhline(10, color="grey", ls=":", lw=1, label="target: scheduler + block manager")
     ax_seq.set_xscale("log", base=2)
@@ -145,7 +172,7 @@ def plot(results: list[StepCost], path) -> None:
     ax_seq.set_xticks(ns, [str(n) for n in ns])
     ax_seq.set(
         xlabel="running sequences",
-        ylabel="µs per sequence per step",
+        ylabel="CPU µs per sequence per step",
         title="per sequence: flat = linear",
     )
     ax_seq.set_ylim(bottom=0)
@@ -161,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--steps", type=int, default=40, help="decode steps measured per run")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per point; the least disturbed is kept"
+    )
     parser.add_argument("--quick", action="store_true", help="16, 64, 256 sequences, 15 steps")
     parser.add_argument("--json", help="result path (default: tools/bench/results/)")
     parser.add_argument("--no-plot", action="store_true")
@@ -170,8 +200,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_bench_model("tiny", tmp)  # the dry run reads only config + tokenizer
         vocab_size = LLM(model_dir, dry_run=True).llm_engine.model_config.hf_config.vocab_size
+        measure_step_cost(model_dir, 16, False, 3, vocab_size)  # warm-up: imports, caches
         results = [
-            measure_step_cost(model_dir, n, caching, steps, vocab_size)
+            min(
+                (
+                    measure_step_cost(model_dir, n, caching, steps, vocab_size)
+                    for _ in range(args.repeats)
+                ),
+                key=lambda r: r.total_us_per_seq,
+            )
             for caching in (False, True)
             for n in num_seqs
         ]
@@ -194,11 +231,12 @@ def main(argv: list[str] | None = None) -> None:
                 "schedule µs/seq": r.schedule_us_per_seq,
                 "process µs/seq": r.process_us_per_seq,
                 "total µs/seq": r.total_us_per_seq,
+                "total wall µs/seq": r.total_wall_us_per_seq,
                 "(dry model µs/seq)": r.dry_model_us_per_seq,
             }
             for r in results
         ],
-        title="Engine bookkeeping per decode step (dry run), median over steps",
+        title="Engine bookkeeping per decode step (dry run): CPU µs per sequence, median of steps",
     )
     for name, fit in fits.items():
         print(
