@@ -10,6 +10,7 @@ BOS/EOS ids (0 and 1) of the tiny tokenizer.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -121,6 +122,28 @@ def make_bench_model(preset: str, directory: str) -> str:
     """Save the random checkpoint `preset` under `directory`; returns its path."""
     arch, overrides = MODEL_PRESETS[preset]
     return make_tiny_model(arch, os.path.join(directory, f"bench-{preset}"), **overrides)
+
+
+def add_workload_args(parser: argparse.ArgumentParser, num_requests: int) -> None:
+    """The options every benchmark shares: the seeded workload and where results go."""
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    for name in ("--prompt-len", "--output-len"):
+        parser.add_argument(name, type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="result path (default: tools/bench/results/)")
+    parser.add_argument("--no-plot", action="store_true")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The options of the benchmarks that run a model."""
+    parser.add_argument("--model-size", choices=sorted(MODEL_PRESETS), default="20m")
+    parser.add_argument("--model", help="an existing checkpoint directory instead")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="CPU threads (default: one per core)")
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(args.num_requests, *args.prompt_len, *args.output_len, args.seed)
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:

@@ -38,10 +38,12 @@ from minivllm import LLM, SamplingParams
 from tools.bench.common import (
     BenchRequest,
     WorkloadSpec,
+    add_workload_args,
     make_bench_model,
     plot_path,
     print_table,
     sample_requests,
+    workload_spec,
     write_result,
 )
 
@@ -227,14 +229,7 @@ def plot(results: list[SchemeResult], budget_tokens: int, path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument(
-        "--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
-    )
-    parser.add_argument(
-        "--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
-    )
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser, num_requests=64)
     parser.add_argument(
         "--budget-seqs",
         type=int,
@@ -249,8 +244,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--quick", action="store_true", help="16 requests of 16-64 + 16-64")
-    parser.add_argument("--json", help="result path (default: tools/bench/results/)")
-    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_requests, args.prompt_len, args.output_len, args.budget_seqs = (
@@ -259,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             [16, 64],
             4,
         )
-    spec = WorkloadSpec(args.num_requests, *args.prompt_len, *args.output_len, args.seed)
+    spec = workload_spec(args)
     max_num_seqs = args.max_num_seqs or args.num_requests
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_bench_model("tiny", tmp)  # the dry run reads only config + tokenizer

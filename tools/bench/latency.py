@@ -28,13 +28,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 from minivllm import LLM, SamplingParams
 from tools.bench.common import (
-    MODEL_PRESETS,
     BenchRequest,
     WorkloadSpec,
+    add_model_args,
+    add_workload_args,
     make_bench_model,
     percentile,
     plot_path,
@@ -42,6 +41,7 @@ from tools.bench.common import (
     print_table,
     sample_requests,
     set_threads,
+    workload_spec,
     write_result,
 )
 
@@ -169,31 +169,19 @@ def plot(runs: list[LatencyRun], path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-size", choices=sorted(MODEL_PRESETS), default="20m")
-    parser.add_argument("--model", help="an existing checkpoint directory instead")
-    parser.add_argument("--num-requests", type=int, default=40)
-    parser.add_argument(
-        "--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
-    )
-    parser.add_argument(
-        "--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
-    )
+    add_workload_args(parser, num_requests=40)
+    add_model_args(parser)
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second")
     parser.add_argument(
         "--chunk-size", type=int, default=256, help="max_num_batched_tokens with chunked prefill"
     )
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="12 requests, tiny model, 8 req/s")
-    parser.add_argument("--threads", type=int, help="CPU threads (default: one per core)")
-    parser.add_argument("--json", help="result path (default: tools/bench/results/)")
-    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     if args.quick:
         args.model_size, args.num_requests, args.rate = "tiny", 12, 8.0
-    spec = WorkloadSpec(args.num_requests, *args.prompt_len, *args.output_len, args.seed)
+    spec = workload_spec(args)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_bench_model(args.model_size, tmp)
         runs = run_latency(

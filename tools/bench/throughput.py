@@ -41,15 +41,17 @@ from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from tools.bench.common import (
-    MODEL_PRESETS,
     BenchRequest,
     WorkloadSpec,
+    add_model_args,
+    add_workload_args,
     make_bench_model,
     plot_path,
     print_table,
     sample_requests,
     set_threads,
     timed,
+    workload_spec,
     write_result,
 )
 
@@ -327,16 +329,8 @@ def plot(result: ThroughputResult, path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-size", choices=sorted(MODEL_PRESETS), default="20m")
-    parser.add_argument("--model", help="an existing checkpoint directory instead")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument(
-        "--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
-    )
-    parser.add_argument(
-        "--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
-    )
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser, num_requests=64)
+    add_model_args(parser)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
         "--budget-seqs",
@@ -345,19 +339,15 @@ def main(argv: list[str] | None = None) -> None:
         help="the equal-memory KV budget, in requests of max_model_len tokens",
     )
     parser.add_argument("--single-requests", type=int, default=8)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 ...")
     parser.add_argument("--quick", action="store_true", help="16 requests of 16-64 + 16-64 tokens")
-    parser.add_argument("--threads", type=int, help="CPU threads (default: one per core)")
-    parser.add_argument("--json", help="result path (default: tools/bench/results/)")
-    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     if args.quick:
         args.num_requests, args.prompt_len, args.output_len = 16, [16, 64], [16, 64]
         args.max_num_seqs, args.budget_seqs, args.single_requests = 8, 2, 4
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    spec = WorkloadSpec(args.num_requests, *args.prompt_len, *args.output_len, args.seed)
+    spec = workload_spec(args)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_bench_model(args.model_size, tmp)
         result = run_throughput(
