@@ -73,7 +73,6 @@ def test_greedy_equals_hf_generate(llm, hf):
     assert_matches_hf(hf, prompts, outputs, max_tokens)
 
 
-@pytest.mark.slow
 def test_greedy_stories_finish_by_themselves(llm):
     """Each opening grows into a whole story that ends with EOS ("stop") well
     within 256 tokens and reuses the names it was given."""
