@@ -29,6 +29,7 @@ from contextvars import ContextVar
 
 import torch
 
+from minivllm import _custom_ops as ops
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 
 ATTENTION_BACKENDS = ("torch", "numba", "cuda")
@@ -39,8 +40,6 @@ _current_backend: ContextVar[str | type] = ContextVar("attention_backend", defau
 
 def _cuda_problems(device: str, dtype: torch.dtype, head_size: int, block_size: int) -> list[str]:
     """Why the CUDA kernels cannot serve this configuration (empty: they can)."""
-    from minivllm import _custom_ops as ops
-
     problems = []
     if not torch.cuda.is_available():
         problems.append(
