@@ -1,8 +1,16 @@
-"""The CUDA kernels of `csrc/` on a GPU (marker `cuda`: skipped without one).
+"""The CUDA kernels of `csrc/`, each test run twice: on a GPU and emulated.
 
 Both decode versions against the PyTorch reference over dtypes, head sizes,
 block sizes, GQA ratios and long random contexts; the cache kernels exactly;
 and the engine with the `cuda` backend against the `torch` backend.
+
+The `device` fixture runs every test
+
+- on "cuda" (marker `cuda`: skipped without a GPU and CuPy), and
+- on "cpu" inside `tools.cuda_emu.emulated_custom_ops()` (id `emulated`): the
+  same `.cu` sources behind the same launchers of `_custom_ops.py`, every CUDA
+  thread a CPU fiber. This is how a machine without a GPU executes them.
+  Contexts are shorter there, because the emulator is slow.
 """
 
 from __future__ import annotations
@@ -14,10 +22,10 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm import _custom_ops as ops
+from minivllm.attention import selector
 from tests.kernel_cases import lengths_around_blocks, make_decode_case
+from tools import cuda_emu
 from tools.tiny_models import make_tiny_model
-
-pytestmark = pytest.mark.cuda
 
 # (atol, rtol): outputs are rounded to the dtype, so allow about one unit in
 # the last place of each.
@@ -26,20 +34,41 @@ TOLERANCE = {
     torch.float16: (1e-3, 1e-3),
     torch.bfloat16: (1e-2, 1.6e-2),
 }
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 
 
-def run_kernel(version: str, case) -> torch.Tensor:
+@pytest.fixture(
+    params=[
+        pytest.param("cuda", marks=pytest.mark.cuda),
+        pytest.param("cpu", marks=pytest.mark.slow, id="emulated"),
+    ]
+)
+def device(request, monkeypatch):
+    if request.param == "cuda":
+        yield "cuda"
+        return
+    if cuda_emu.compiler() is None:
+        pytest.skip("the CUDA emulator needs a C++ compiler (g++, or $CXX)")
+    # The emulator stands in for the GPU and CuPy that the selector asks for.
+    monkeypatch.setattr(selector, "_cuda_problems", lambda *args: [])
+    with cuda_emu.emulated_custom_ops():
+        yield "cpu"
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def check(version: str, case, dtype) -> None:
     out = torch.empty_like(case.query)
     kernel = ops.paged_attention_v1 if version == "v1" else ops.paged_attention_v2
     max_seq_len = int(case.seq_lens.max())
     kv = case.kv_cache
     kernel(out, case.query, kv[0], kv[1], case.block_tables, case.seq_lens, case.scale, max_seq_len)
-    torch.cuda.synchronize()
-    return out
-
-
-def check(version: str, case, dtype) -> None:
-    out = run_kernel(version, case)
+    synchronize(out.device.type)
     assert not out.isnan().any(), "the kernel read a slot no sequence owns"
     # The reference computes in float32 from the same half-precision inputs.
     expected = case.reference()
@@ -48,45 +77,50 @@ def check(version: str, case, dtype) -> None:
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@DTYPES
 @pytest.mark.parametrize("head_size", ops.SUPPORTED_HEAD_SIZES)
 @pytest.mark.parametrize("block_size", ops.SUPPORTED_BLOCK_SIZES)
-def test_paged_attention_short_contexts(version, dtype, head_size, block_size):
+def test_paged_attention_short_contexts(device, version, dtype, head_size, block_size):
     """Lengths around block boundaries, GQA 4:1."""
     case = make_decode_case(
-        lengths_around_blocks(block_size), 8, 2, head_size, block_size, dtype, device="cuda"
+        lengths_around_blocks(block_size), 8, 2, head_size, block_size, dtype, device=device
     )
     check(version, case, dtype)
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@DTYPES
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 1)])
 @pytest.mark.parametrize("block_size", ops.SUPPORTED_BLOCK_SIZES)
-def test_paged_attention_long_random_contexts(version, dtype, num_heads, num_kv_heads, block_size):
-    """Up to 7 sequences of random lengths up to 4500 (several v2 partitions)."""
+def test_paged_attention_long_random_contexts(
+    device, version, dtype, num_heads, num_kv_heads, block_size
+):
+    """Up to 7 sequences of random lengths up to 4500 on a GPU, up to 1100
+    emulated: several v2 partitions either way."""
+    longest = 4500 if device == "cuda" else 1100
     rng = random.Random(f"{version} {dtype} {num_heads} {num_kv_heads} {block_size}")
-    seq_lens = [rng.randint(1, 4500) for _ in range(rng.randint(1, 7))]
-    seq_lens[0] = 4500
+    seq_lens = [rng.randint(1, longest) for _ in range(rng.randint(1, 7))]
+    seq_lens[0] = longest
     case = make_decode_case(
-        seq_lens, num_heads, num_kv_heads, 128, block_size, dtype, len(seq_lens), "cuda"
+        seq_lens, num_heads, num_kv_heads, 128, block_size, dtype, len(seq_lens), device
     )
     check(version, case, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_reshape_and_cache_is_exact(dtype):
+@DTYPES
+def test_reshape_and_cache_is_exact(device, dtype):
     num_blocks, block_size, num_kv_heads, head_size = 10, 16, 2, 64
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).to("cuda", dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).to(device, dtype)
     expected = kv_cache.clone()
     # K and V as the model hands them: views into one fused qkv projection.
-    qkv = torch.randn(7, 3 * num_kv_heads * head_size).to("cuda", dtype)
+    qkv = torch.randn(7, 3 * num_kv_heads * head_size).to(device, dtype)
     key = qkv[:, num_kv_heads * head_size : 2 * num_kv_heads * head_size]
     value = qkv[:, 2 * num_kv_heads * head_size :]
     key = key.view(7, num_kv_heads, head_size)
     value = value.view(7, num_kv_heads, head_size)
-    slots = torch.tensor([5, -1, 16, 17, 159, -1, 40], device="cuda")
+    slots = torch.tensor([5, -1, 16, 17, 159, -1, 40], device=device)
     ops.reshape_and_cache(key, value, kv_cache, slots)
+    synchronize(device)
     flat = expected.view(2, num_blocks * block_size, num_kv_heads, head_size)
     keep = slots >= 0
     flat[0, slots[keep]] = key[keep]
@@ -94,13 +128,13 @@ def test_reshape_and_cache_is_exact(dtype):
     assert torch.equal(kv_cache, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_copy_blocks_is_exact(dtype):
-    layers = [torch.randn(2, 12, 8, 2, 64).to("cuda", dtype) for _ in range(3)]
+@DTYPES
+def test_copy_blocks_is_exact(device, dtype):
+    layers = [torch.randn(2, 12, 8, 2, 64).to(device, dtype) for _ in range(3)]
     expected = [t.clone() for t in layers]
     pairs = [(3, 7), (0, 11), (5, 2)]
     ops.copy_blocks(layers, pairs)
-    torch.cuda.synchronize()
+    synchronize(device)
     for t in expected:
         for src, dst in pairs:
             t[:, dst] = t[:, src]
@@ -108,7 +142,7 @@ def test_copy_blocks_is_exact(dtype):
         assert torch.equal(got, want)
 
 
-def test_engine_cuda_backend_matches_torch_backend(tmp_path):
+def test_engine_cuda_backend_matches_torch_backend(device, tmp_path):
     """float32, so the two backends differ only by summation order: greedy and
     seeded sampling (n=2, which exercises copy_blocks) give the same tokens."""
     # head_size 64 (a kernel size), GQA 4:2, random weights with clear greedy winners.
@@ -121,7 +155,7 @@ def test_engine_cuda_backend_matches_torch_backend(tmp_path):
     pair = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
     results = {}
     for backend in ("torch", "cuda"):
-        llm = LLM(model, device="cuda", dtype="float32", attention_backend=backend, block_size=16)
+        llm = LLM(model, device=device, dtype="float32", attention_backend=backend, block_size=16)
         outs = llm.generate(prompts + prompts[1:2], [greedy] * 3 + [pair], use_tqdm=False)
         results[backend] = [[c.token_ids for c in o.outputs] for o in outs]
     assert results["cuda"] == results["torch"]

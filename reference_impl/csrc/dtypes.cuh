@@ -6,6 +6,11 @@
 // instruction each, so these sources need no CUDA headers: NVRTC (through
 // CuPy, at run time) and nvcc (in CI) compile them exactly as they are.
 // cvt.rn.bf16.f32 needs sm_80 or newer, which is what we target.
+//
+// The CPU emulator (tools/cuda_emu/) compiles these same sources with a host
+// C++ compiler, which has no PTX: under MINIVLLM_CUDA_EMULATOR the three
+// conversions below are written in plain C++ with the same rounding
+// (round to nearest, ties to even).
 #pragma once
 
 struct fp16_t {
@@ -17,12 +22,6 @@ struct bf16_t {
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 
-__device__ __forceinline__ float to_float(fp16_t x) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-  return f;
-}
-
 __device__ __forceinline__ float to_float(bf16_t x) {
   // A bf16 is the upper half of a float32.
   return __uint_as_float(static_cast<unsigned int>(x.bits) << 16);
@@ -33,6 +32,14 @@ __device__ __forceinline__ T from_float(float f);
 
 template <>
 __device__ __forceinline__ float from_float<float>(float f) {
+  return f;
+}
+
+#ifndef MINIVLLM_CUDA_EMULATOR
+
+__device__ __forceinline__ float to_float(fp16_t x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
   return f;
 }
 
@@ -49,6 +56,25 @@ __device__ __forceinline__ bf16_t from_float<bf16_t>(float f) {
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(f));
   return b;
 }
+
+#else  // the CPU emulator: the host compiler's _Float16, and bf16 by rounding bits
+
+inline float to_float(fp16_t x) { return static_cast<float>(__builtin_bit_cast(_Float16, x.bits)); }
+
+template <>
+inline fp16_t from_float<fp16_t>(float f) {
+  return {__builtin_bit_cast(unsigned short, static_cast<_Float16>(f))};
+}
+
+template <>
+inline bf16_t from_float<bf16_t>(float f) {
+  const unsigned int u = __builtin_bit_cast(unsigned int, f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fff};  // NaN, as cvt.rn.bf16.f32 gives
+  const unsigned int rounding = 0x7fffu + ((u >> 16) & 1u);  // ties to even
+  return {static_cast<unsigned short>((u + rounding) >> 16)};
+}
+
+#endif
 
 // N consecutive elements loaded or stored as one aligned memory transaction.
 template <typename T, int N>
