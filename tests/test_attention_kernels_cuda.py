@@ -142,9 +142,12 @@ def test_copy_blocks_is_exact(device, dtype):
         assert torch.equal(got, want)
 
 
-def test_engine_cuda_backend_matches_torch_backend(device, tmp_path):
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefills", "chunked-prefill"])
+def test_engine_cuda_backend_matches_torch_backend(device, chunked, tmp_path):
     """float32, so the two backends differ only by summation order: greedy and
-    seeded sampling (n=2, which exercises copy_blocks) give the same tokens."""
+    seeded sampling (n=2, which exercises copy_blocks) give the same tokens.
+    Chunked prefill mixes decodes with a longer prefill in one step, whose
+    length must not size the decode kernels' launch."""
     # head_size 64 (a kernel size), GQA 4:2, random weights with clear greedy winners.
     model = make_tiny_model(
         "llama", str(tmp_path / "m"), hidden_size=256, num_attention_heads=4,
@@ -155,7 +158,11 @@ def test_engine_cuda_backend_matches_torch_backend(device, tmp_path):
     pair = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
     results = {}
     for backend in ("torch", "cuda"):
-        llm = LLM(model, device=device, dtype="float32", attention_backend=backend, block_size=16)
+        llm = LLM(
+            model, device=device, dtype="float32", attention_backend=backend, block_size=16,
+            enable_chunked_prefill=chunked, max_num_batched_tokens=32 if chunked else None,
+            max_num_seqs=8,
+        )
         outs = llm.generate(prompts + prompts[1:2], [greedy] * 3 + [pair], use_tqdm=False)
         results[backend] = [[c.token_ids for c in o.outputs] for o in outs]
     assert results["cuda"] == results["torch"]

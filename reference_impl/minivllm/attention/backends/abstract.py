@@ -9,6 +9,7 @@ how long it is, and where its K/V live; that is this record.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -38,3 +39,11 @@ class AttentionMetadata:
     query_start_loc: list[int]
     block_tables: torch.Tensor
     seq_lens_tensor: torch.Tensor
+
+    @cached_property
+    def max_decode_seq_len(self) -> int:
+        """The longest context among the decodes (0 if none). A kernel's launch
+        size depends on it; taking it from the host list `seq_lens` rather
+        than from `seq_lens_tensor` spares a GPU sync in every layer. vLLM's
+        metadata carries the same field."""
+        return max(self.seq_lens[self.num_prefills :], default=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from minivllm import _custom_ops as ops
+from minivllm.attention.backends.abstract import AttentionMetadata
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 
 
@@ -24,6 +25,18 @@ def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
 class CudaPagedAttention(TorchPagedAttention):
     write_to_kv_cache = staticmethod(ops.reshape_and_cache)
 
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        # The kernels' launch size needs the longest decode context. The
+        # metadata has it on the host; seq_lens.max() on the GPU tensor would
+        # stall the CPU until the GPU caught up, once per layer.
+        self.max_decode_seq_len = attn_metadata.max_decode_seq_len
+        return super().forward(query, kv_cache, attn_metadata)
+
     def _decode(
         self,
         query: torch.Tensor,  # [num_decodes, num_heads, head_size]
@@ -33,9 +46,7 @@ class CudaPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
         query = query.contiguous()
         out = torch.empty_like(query)
-        # One host sync per layer for the launch size; a production engine
-        # would carry max_seq_len in the metadata.
-        max_seq_len = int(seq_lens.max())
+        max_seq_len = self.max_decode_seq_len
         if use_v1(max_seq_len, num_seqs=query.shape[0], num_heads=query.shape[1]):
             kernel = ops.paged_attention_v1
         else:
