@@ -3,8 +3,9 @@
 - the Numba CPU kernel (`ops/paged_attn_numba.py`) over a sweep of shapes;
 - the numba.cuda teaching kernel in Numba's CUDA simulator (a subprocess,
   since the simulator must be switched on before numba is imported);
-- the CUDA sources compiled to PTX by nvcc for sm_80 and sm_90, every
-  template instantiation the loader can ask for;
+- the CUDA sources compiled to PTX for sm_80 and sm_90, every template
+  instantiation the loader can ask for: by nvcc, and by NVRTC (the compiler
+  CuPy uses at run time) with the loader's own options and name expressions;
 - the engine with attention_backend="numba" against "torch", and the
   backend selection errors.
 """
@@ -27,6 +28,7 @@ from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.attention.layer import Attention
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
 from minivllm.attention.selector import ENV_VAR, select_attention_backend
+from tests import nvrtc
 from tests.kernel_cases import lengths_around_blocks, make_decode_case
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,9 +107,9 @@ def test_teaching_kernel_in_cuda_simulator():
     assert result.stdout.count("ok") == 3
 
 
-def instantiation_source(source: str) -> str:
-    """A .cu file that includes `source` and takes the address of every kernel
-    instantiation the loader can request, so nvcc compiles each of them."""
+def kernel_names(source: str) -> list[str]:
+    """Every kernel instantiation of `source` the loader can request, once each
+    (the reduce kernel does not depend on the block size)."""
     names: list[str] = []
     for dtype in ops.CUDA_DTYPES:
         if source == "paged_attention.cu":
@@ -116,8 +118,13 @@ def instantiation_source(source: str) -> str:
                     names += ops.paged_attention_kernel_names(dtype, head_size, block_size)
         else:
             names += ops.cache_kernel_names(dtype)
-    # The reduce kernel does not depend on the block size: keep each name once.
-    body = "\n".join(f"  (void)&{name};" for name in dict.fromkeys(names))
+    return list(dict.fromkeys(names))
+
+
+def instantiation_source(source: str) -> str:
+    """A .cu file that includes `source` and takes the address of every kernel
+    instantiation, so nvcc compiles each of them."""
+    body = "\n".join(f"  (void)&{name};" for name in kernel_names(source))
     return f'#include "{source}"\nvoid instantiate_all() {{\n{body}\n}}\n'
 
 
@@ -135,9 +142,25 @@ def test_cuda_sources_compile_to_ptx(tmp_path, arch, source):
     assert "warning" not in result.stderr.lower(), result.stderr
     text = ptx.read_text()
     assert f".target {arch}" in text
-    kernel = "paged_attention_v2_reduce_kernel" if source == "paged_attention.cu" else "copy_blocks"
-    assert text.count(".entry") == instantiation_source(source).count("(void)&")
-    assert kernel in text
+    assert text.count(".entry") == len(kernel_names(source))
+
+
+@pytest.mark.skipif(
+    nvrtc.find_library() is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)"
+)
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+@pytest.mark.parametrize("source", ["paged_attention.cu", "cache_kernels.cu"])
+def test_loader_sources_compile_with_nvrtc(arch, source):
+    """What CuPy's RawModule does on a GPU, minus the GPU: NVRTC compiles the
+    source with the loader's options and finds every name expression."""
+    names = kernel_names(source)
+    code = (ops.CSRC_DIR / source).read_text()
+    options = (*ops.NVRTC_OPTIONS, f"--gpu-architecture={arch}")
+    ptx, lowered = nvrtc.compile_to_ptx(nvrtc.find_library(), code, source, options, names)
+    assert f".target sm_{arch.removeprefix('compute_')}" in ptx
+    entries = {line.split()[2].rstrip("(") for line in ptx.splitlines() if ".entry" in line}
+    assert entries == set(lowered.values())
+    assert len(entries) == len(names)
 
 
 # The engine with each backend ------------------------------------------------

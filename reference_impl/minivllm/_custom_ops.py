@@ -34,6 +34,8 @@ PARTITION_SIZE = 512  # v2: tokens per partition
 # v1 keeps a float per context token in shared memory; 48 KiB is what a kernel
 # may use without opting in to more.
 V1_MAX_SEQ_LEN = 8192
+# NVRTC's options (CuPy adds the GPU's architecture).
+NVRTC_OPTIONS = ("-std=c++17", f"-I{CSRC_DIR}")
 
 CUPY_MISSING = (
     "the 'cuda' attention backend needs CuPy, which is not installed: "
@@ -71,11 +73,7 @@ def _module(source: str, name_expressions: tuple[str, ...]):
     """Compile `csrc/<source>` for the given instantiations (once per process)."""
     cupy = _cupy()
     code = (CSRC_DIR / source).read_text()
-    return cupy.RawModule(
-        code=code,
-        options=("-std=c++17", f"-I{CSRC_DIR}"),
-        name_expressions=name_expressions,
-    )
+    return cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=name_expressions)
 
 
 def _kernel(source: str, name_expressions: list[str], name: str):
