@@ -76,9 +76,10 @@ def _translation_unit(source: Path, name_expressions: tuple[str, ...]) -> str:
     return f'#line 1 "{source}"\n{code}\n#line 1 "emulator-entries"\n' + "".join(entries)
 
 
-@functools.cache
-def _compile(source: str, name_expressions: tuple[str, ...]) -> ctypes.CDLL:
-    """Build (or reuse, keyed by every input's content) the shared library."""
+def _compile(source: str, name_expressions: tuple[str, ...]) -> ctypes.PyDLL:
+    """Build (or reuse) the shared library. It is keyed by the content of
+    every input, so an edited `.cu` file is rebuilt at its next launch, with
+    no restart (the real loader compiles once per process)."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("the CUDA emulator needs a C++ compiler: install g++ or set $CXX")
@@ -90,7 +91,9 @@ def _compile(source: str, name_expressions: tuple[str, ...]) -> ctypes.CDLL:
     cache.mkdir(exist_ok=True)
     library = cache / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
     if not library.exists():
-        unit_path = library.with_suffix(".cpp")
+        # Per-process names until the final rename: concurrent builds cannot
+        # see half a file.
+        unit_path = library.with_suffix(f".{os.getpid()}.cpp")
         unit_path.write_text(unit)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
         cmd = [
@@ -109,8 +112,16 @@ def _compile(source: str, name_expressions: tuple[str, ...]) -> ctypes.CDLL:
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling {source} for the emulator failed:\n{result.stderr}")
-        partial.replace(library)  # atomic: concurrent builds cannot see half a file
-    return ctypes.CDLL(str(library))
+        partial.replace(library)
+        unit_path.unlink()
+    return _load(library)
+
+
+@functools.cache
+def _load(library: Path) -> ctypes.PyDLL:
+    # PyDLL keeps the GIL during a call: the emulator has one launch state per
+    # process, so launches from several Python threads must not overlap.
+    return ctypes.PyDLL(str(library))
 
 
 def _dim3(dims: tuple[int, ...]) -> ctypes.Array:
@@ -121,7 +132,7 @@ def _dim3(dims: tuple[int, ...]) -> ctypes.Array:
 class EmulatedKernel:
     """One instantiation; called like a CuPy RawKernel."""
 
-    def __init__(self, library: ctypes.CDLL, index: int, name: str, seed: int):
+    def __init__(self, library: ctypes.PyDLL, index: int, name: str, seed: int):
         self.name = name
         self.seed = seed
         self._launch = getattr(library, f"emu_launch_{index}")
