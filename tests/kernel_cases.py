@@ -1,9 +1,13 @@
 """Random decode-attention inputs in the KV-cache layout, and the reference.
 
 Shared by the CPU kernel tests, the simulator test (run in a subprocess) and
-the GPU tests. Every cache row that no sequence may read is NaN, so a kernel
-that touches a stale slot (past a sequence's end, or a padding entry of a
-block table) fails loudly instead of by a small error.
+the CUDA tests (GPU and emulated). Every cache row that no sequence may read
+(past a sequence's end, or a padding entry of a block table) is poisoned so
+that a kernel touching it fails loudly instead of by a small error: its value
+half is NaN, which spreads into any output it reaches, and its key half is
+STALE_KEY, whose huge logit would take over the softmax. The key poison is not
+NaN on purpose: `fmaxf(m, NaN)` is `m`, so a stale q.k that only reached the
+running max would go unnoticed.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
+
+# Large enough that q.k * scale dwarfs every real logit (about 1e4 times the
+# sum of a query row), small enough for float16.
+STALE_KEY = 1e4
 
 
 @dataclass
@@ -55,7 +63,8 @@ def make_decode_case(
     for i, n in enumerate(seq_lens):
         t = torch.arange(n)
         readable[block_tables[i, t // block_size], t % block_size] = True
-    kv_cache[:, ~readable] = float("nan")
+    kv_cache[0, ~readable] = STALE_KEY
+    kv_cache[1, ~readable] = float("nan")
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen)
     return DecodeCase(
         query=query.to(device, dtype),
