@@ -77,7 +77,8 @@ def _translation_unit(source: Path, name_expressions: tuple[str, ...]) -> str:
 
 
 def _compile(source: str, name_expressions: tuple[str, ...]) -> ctypes.PyDLL:
-    """Build (or reuse) the shared library. It is keyed by the content of
+    """Build (or reuse) the shared library for `source`, a file of csrc/ or
+    an absolute path (the tests' own kernels). It is keyed by the content of
     every input, so an edited `.cu` file is rebuilt at its next launch, with
     no restart (the real loader compiles once per process)."""
     cxx = compiler()
@@ -142,7 +143,7 @@ class EmulatedKernel:
         count = getattr(library, f"emu_signature_{index}")(infos)
         self.signature = list(infos[:count])
 
-    def _marshal(self, i: int, arg, info: _ArgInfo) -> ctypes._SimpleCData:
+    def _marshal(self, i: int, arg, info: _ArgInfo) -> ctypes.c_void_p | ctypes.Array:
         """A ctypes value for parameter i, once it is checked against the signature."""
         where = f"{self.name}: argument {i}"
         if isinstance(arg, torch.Tensor):

@@ -96,10 +96,9 @@ inline Thread& current_thread() {
 
 // Park the running fiber in `state` and return to the scheduler.
 inline void park(State state) {
-  Launch& l = launch_state();
-  Thread& t = l.threads[l.current];
+  Thread& t = current_thread();
   t.state = state;
-  swapcontext(&t.context, &l.scheduler);
+  swapcontext(&t.context, &launch_state().scheduler);
 }
 
 // Record the first error of the launch; the fiber never runs again.
@@ -112,7 +111,7 @@ inline void park(State state) {
 
 inline void fiber_entry() {
   launch_state().body();
-  launch_state().threads[launch_state().current].state = State::Done;
+  current_thread().state = State::Done;
   // returning resumes uc_link: the scheduler
 }
 

@@ -12,7 +12,7 @@ sum are accumulated in float32.
 
 `fastmath={"reassoc", "contract"}` lets LLVM reorder the q.k sums into SIMD
 lanes and fuse multiply-adds: without it, a float sum must be added strictly
-left to right, one element at a time. That is 2-3x faster here
+left to right, one element at a time. That is 2-3.5x faster here
 (`python -m tools.bench.attention --device cpu`) and changes results only in
 the last bits. The order is fixed at compile time, so a sequence's output
 still does not depend on what else is in the batch.
