@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minivllm.attention.kv_cache import check_decode_args
+
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 
 # What the kernels are instantiated for; anything else is refused up front.
@@ -96,8 +98,12 @@ def _launch(kernel, grid: tuple[int, ...], args: tuple, shared_mem: int = 0) -> 
         kernel(grid, (NUM_THREADS,), cupy_args, shared_mem=shared_mem)
 
 
-def _check_decode_args(query, key_cache, block_tables, seq_lens) -> tuple[int, int, int, int]:
-    """Validate shapes and dtypes; returns (num_seqs, num_heads, head_size, block_size)."""
+def _check_decode_args(
+    query, key_cache, block_tables, seq_lens, max_seq_len: int
+) -> tuple[int, int, int, int]:
+    """Validate shapes and dtypes against the kernels' contract (without
+    reading GPU memory); returns (num_seqs, num_heads, head_size, block_size)."""
+    check_decode_args(query.shape, key_cache.shape, block_tables.shape, seq_lens.shape, max_seq_len)
     num_seqs, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, cache_head_size = key_cache.shape
     if query.dtype not in CUDA_DTYPES or key_cache.dtype != query.dtype:
@@ -130,7 +136,7 @@ def paged_attention_v1(
 ) -> None:
     """Decode attention, one thread block per (head, sequence)."""
     num_seqs, num_heads, head_size, block_size = _check_decode_args(
-        query, key_cache, block_tables, seq_lens
+        query, key_cache, block_tables, seq_lens, max_seq_len
     )
     if max_seq_len > V1_MAX_SEQ_LEN:
         raise ValueError(
@@ -157,7 +163,7 @@ def paged_attention_v2(
 ) -> None:
     """Decode attention split into PARTITION_SIZE-token partitions, then reduced."""
     num_seqs, num_heads, head_size, block_size = _check_decode_args(
-        query, key_cache, block_tables, seq_lens
+        query, key_cache, block_tables, seq_lens, max_seq_len
     )
     names = paged_attention_kernel_names(query.dtype, head_size, block_size)
     max_parts = -(-max_seq_len // PARTITION_SIZE)

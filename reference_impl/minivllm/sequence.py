@@ -291,7 +291,12 @@ class SequenceGroup:
         self.seqs_dict[seq.seq_id] = seq
 
     def is_prefill(self) -> bool:
-        return self.seqs[0].is_prefill()
+        """Whether the group's next step is a prefill. Its unfinished
+        sequences are always in the same stage; a finished one may not be
+        (an n > 1 group whose first sequence stopped, then whose other was
+        preempted by RECOMPUTE), so it is not asked."""
+        unfinished = self.get_unfinished_seqs()
+        return bool(unfinished) and unfinished[0].is_prefill()
 
     def is_finished(self) -> bool:
         return all(seq.is_finished() for seq in self.seqs)

@@ -14,6 +14,11 @@ its token i lives in slot block_table[i // block_size] * block_size
 
 Swapping and copy-on-write move whole blocks: kv_cache[:, block_number].
 
+A decode kernel reads one query row per sequence and, for sequence i, the
+first seq_lens[i] slots of block_tables[i]: `check_decode_args` is that
+contract, checked before any kernel runs so that a bad batch is refused
+instead of read out of bounds.
+
 Ordering rule for every backend: in each layer, the new K/V of the *whole
 batch* are written before any attention reads the cache. With prefix
 caching, a request may read blocks that another request of the same batch is
@@ -62,3 +67,37 @@ def gather_kv(
     keys = kv_cache[0][block_tables].view(shape)
     values = kv_cache[1][block_tables].view(shape)
     return keys, values
+
+
+def check_decode_args(
+    query_shape: tuple[int, ...],  # [num_seqs, num_heads, head_size]
+    cache_shape: tuple[int, ...],  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables_shape: tuple[int, ...],  # [num_seqs, max_blocks_per_seq]
+    seq_lens_shape: tuple[int, ...],  # [num_seqs]
+    max_seq_len: int,
+) -> None:
+    """Refuse a decode batch that a kernel would read out of bounds.
+
+    Shapes only (and the host-side longest context), so it costs nothing and
+    never waits for a GPU: one query row per sequence, one block table row
+    and one length per sequence, and tables wide enough for the longest
+    context.
+    """
+    num_seqs = query_shape[0]
+    if block_tables_shape[0] != num_seqs or seq_lens_shape[0] != num_seqs:
+        raise ValueError(
+            "paged decode attention takes one query row per sequence: query has "
+            f"{num_seqs} rows, block_tables {block_tables_shape[0]}, seq_lens "
+            f"{seq_lens_shape[0]} (a prefill scheduled as a decode?)"
+        )
+    if query_shape[2] != cache_shape[3] or query_shape[1] % cache_shape[2]:
+        raise ValueError(
+            f"query [.., {query_shape[1]} heads, {query_shape[2]}] does not fit a cache of "
+            f"{cache_shape[2]} KV heads of size {cache_shape[3]}"
+        )
+    capacity = block_tables_shape[1] * cache_shape[1]
+    if max_seq_len > capacity:
+        raise ValueError(
+            f"a context of {max_seq_len} tokens needs more than the block tables' "
+            f"{block_tables_shape[1]} blocks of {cache_shape[1]} tokens"
+        )

@@ -67,6 +67,9 @@ class SchedulerOutputs:
     blocks_to_copy: (src, dst) gpu block pairs (copy-on-write).
     ignored_seq_groups: prompts that can never fit; finished as ignored.
     preempted: groups preempted this step, with how.
+    aborted_seq_groups: preemption victims that could be neither swapped out
+        (the CPU pool is full) nor recomputed (several sequences); finished
+        as aborted, with the tokens they had.
     """
 
     scheduled_seq_groups: list[ScheduledSequenceGroup]
@@ -77,6 +80,7 @@ class SchedulerOutputs:
     blocks_to_copy: list[tuple[int, int]]
     ignored_seq_groups: list[SequenceGroup]
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
+    aborted_seq_groups: list[SequenceGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -402,19 +406,10 @@ class Scheduler:
     # -- preemption ----------------------------------------------------------
 
     def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
-        mode = self.scheduler_config.preemption_mode
-        if seq_group.is_prefill():
-            # A partly prefilled prompt has little to save, and swapping it
-            # back in would resume it as a decode: recompute it.
-            mode = PreemptionMode.RECOMPUTE
-        elif seq_group.num_seqs(SequenceStatus.RUNNING) > 1:
-            # Sequences forked from one prompt hold different tokens in
-            # shared blocks: a prefill cannot rebuild that, so they swap.
-            mode = PreemptionMode.SWAP
-        elif mode is None:
-            # vLLM's default for one sequence: recomputing is cheaper than a
-            # round trip of its blocks over PCIe.
-            mode = PreemptionMode.RECOMPUTE
+        mode = self._preemption_mode(seq_group)
+        if mode is None:
+            self._abort_unswappable(seq_group, out)
+            return
         self.num_cumulative_preemption += 1
         if self.num_cumulative_preemption % 50 == 1:
             logger.warning(
@@ -432,17 +427,54 @@ class Scheduler:
                 seq.reset_state_for_recompute()
             self.waiting.append(seq_group)  # sorted into place at the end of the step
         else:
-            if not self.block_manager.can_swap_out(seq_group):
-                raise RuntimeError(
-                    f"Cannot preempt request {seq_group.request_id} by SWAP: the CPU swap "
-                    f"pool has {self.block_manager.get_num_free_cpu_blocks()} free blocks. "
-                    "Increase swap_space (GiB) or use preemption_mode='recompute'."
-                )
             out.blocks_to_swap_out += self.block_manager.swap_out(seq_group)
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq_group)  # sorted into place at the end of the step
         out.preempted.append((seq_group, mode))
+
+    def _preemption_mode(self, seq_group: SequenceGroup) -> PreemptionMode | None:
+        """How to preempt this group; None when it can be neither swapped
+        out nor recomputed."""
+        mode = self.scheduler_config.preemption_mode
+        recomputable = seq_group.num_seqs(SequenceStatus.RUNNING) == 1
+        if seq_group.is_prefill():
+            # A partly prefilled prompt has little to save, and swapping it
+            # back in would resume it as a decode: recompute it.
+            mode = PreemptionMode.RECOMPUTE
+        elif not recomputable:
+            # Sequences forked from one prompt hold different tokens in
+            # shared blocks: a prefill cannot rebuild that, so they swap.
+            mode = PreemptionMode.SWAP
+        elif mode is None:
+            # vLLM's default for one sequence: recomputing is cheaper than a
+            # round trip of its blocks over PCIe.
+            mode = PreemptionMode.RECOMPUTE
+        if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(seq_group):
+            # The CPU pool is full. vLLM raises here and the engine stops; a
+            # single sequence loses nothing by being recomputed instead.
+            return PreemptionMode.RECOMPUTE if recomputable else None
+        return mode
+
+    def _abort_unswappable(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        """Finish a victim that can go nowhere, so the others can run.
+
+        vLLM raises "Aborted due to the lack of CPU swap space" from inside
+        the scheduler, which stops the whole engine; aborting only this
+        request (what vLLM's own comment there asks for) keeps the rest
+        serving. It keeps the tokens it had; its finish reason says "abort".
+        """
+        logger.warning(
+            "Request %s is aborted: its %d sequences must be swapped out to free blocks, but "
+            "the CPU swap pool has only %d free blocks. A larger swap_space avoids this.",
+            seq_group.request_id,
+            seq_group.num_seqs(SequenceStatus.RUNNING),
+            self.block_manager.get_num_free_cpu_blocks(),
+        )
+        for seq in seq_group.get_unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            self.free_seq(seq)
+        out.aborted_seq_groups.append(seq_group)
 
     def _ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs, why: str) -> None:
         logger.warning("Request %s is ignored: %s.", seq_group.request_id, why)

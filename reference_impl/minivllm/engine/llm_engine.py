@@ -14,6 +14,14 @@ waiting queue. Each `step()` has three phases:
 Tools watch the steps through step observers (engine/step_observer.py);
 the tracer (engine/trace_writer.py) is one. Unwatched, `step()` does
 nothing more than the three phases.
+
+A step is not transactional: the scheduler commits its decisions (block
+moves, forks, prefix-cache entries) before the worker carries them out. An
+exception inside the phases therefore leaves the queues and the KV cache
+disagreeing, and the engine marks itself dead, as vLLM's does: the step
+re-raises the error, and every later `step()` or `add_request()` raises
+`EngineDeadError` naming it, instead of serving wrong tokens. Errors raised
+by step observers come after the step is complete and leave it alive.
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ PromptType = str | dict
 _LOCAL_LOGGING_INTERVAL_SEC = 5.0  # vLLM's: one stats line every 5 s
 
 
+class EngineDeadError(RuntimeError):
+    """A step failed part-way, so the engine's state can no longer be
+    trusted; it refuses all further work (vLLM has the same error)."""
+
+
 class LLMEngine:
     """`trace`: write every step to this JSON Lines file (see `start_trace`);
     the environment variable MINIVLLM_TRACE does the same for any program."""
@@ -83,6 +96,10 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.model_config.max_model_len, self._eos_token_ids())
         # Requests aborted since the last step: their final outputs go out then.
         self._aborted: list[SequenceGroup] = []
+        # Outputs of a step whose observer raised: the next step returns them.
+        self._undelivered: list[RequestOutput] = []
+        # The exception that killed the engine in a step (None: alive).
+        self.dead_error: BaseException | None = None
         self._live_request_ids: set[str] = set()
         self.stat_logger = StatLogger(log_interval=_LOCAL_LOGGING_INTERVAL_SEC, enabled=log_stats)
         self.step_observers: list[StepObserver] = []
@@ -130,6 +147,7 @@ class LLMEngine:
         """Queue a request. `prompt` is a string, or {"prompt_token_ids": [...]}
         (optionally with "prompt", its text). `priority` (lower first) needs
         scheduling_policy="priority"."""
+        self._check_alive()
         if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
             raise ValueError(
                 f"Request {request_id!r}: priority={priority} needs scheduling_policy='priority'"
@@ -180,10 +198,11 @@ class LLMEngine:
         ]
         arrival_time = time.time() if arrival_time is None else arrival_time
         seq_group = SequenceGroup(request_id, seqs, params, arrival_time, priority)
-        self.scheduler.add_seq_group(seq_group)
-        self._live_request_ids.add(request_id)
+        # Observers first: if one raises, the request is not queued.
         for observer in self.step_observers:
             observer.on_add_request(self, seq_group)
+        self.scheduler.add_seq_group(seq_group)
+        self._live_request_ids.add(request_id)
 
     def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -199,22 +218,53 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Finish requests as aborted now, freeing their blocks; their final
-        outputs (finish_reason "abort") come out of the next `step()`."""
+        outputs (finish_reason "abort") come out of the next `step()`.
+        On a dead engine it does nothing: nothing will run again anyway, and
+        a client cleaning up after the failure should not fail a second time."""
+        if self.dead_error is not None:
+            return
         ids = [request_id] if isinstance(request_id, str) else request_id
         for rid in ids:
             self._aborted += self.scheduler.abort_seq_group(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs() or bool(self._aborted)
+        return self.scheduler.has_unfinished_seqs() or bool(self._aborted or self._undelivered)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
 
     # -- the step loop ----------------------------------------------------
 
+    @property
+    def errored(self) -> bool:
+        """Whether a step failed part-way and the engine refuses all work."""
+        return self.dead_error is not None
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            cause = self.dead_error
+            raise EngineDeadError(
+                f"engine is dead: {type(cause).__name__}: {cause}. A step failed part-way, "
+                "so its queues and KV cache can no longer be trusted; create a new engine."
+            ) from cause
+
     def step(self) -> list[RequestOutput]:
-        if self.step_observers:
-            return self._observed_step()
+        self._check_alive()
+        try:
+            if self.step_observers:
+                request_outputs, record = self._observed_step()
+            else:
+                request_outputs, record = self._plain_step(), None
+        except BaseException as exc:  # KeyboardInterrupt half-way is no better
+            self.dead_error = exc
+            raise
+        request_outputs = self._undelivered + request_outputs
+        self._undelivered = []
+        if record is not None:
+            self._notify_observers(record, request_outputs)
+        return request_outputs
+
+    def _plain_step(self) -> list[RequestOutput]:
         seq_group_metadata_list, scheduler_outputs = self.scheduler.schedule()
         output = self._execute_model(seq_group_metadata_list, scheduler_outputs)
         return self._process_step(output, scheduler_outputs, seq_group_metadata_list)
@@ -243,8 +293,8 @@ class LLMEngine:
         )
         return request_outputs
 
-    def _observed_step(self) -> list[RequestOutput]:
-        """The same three phases, timed, then a `StepRecord` for each observer.
+    def _observed_step(self) -> tuple[list[RequestOutput], StepRecord]:
+        """The same three phases, timed, and a `StepRecord` of them.
 
         The batch is flattened before the step's outputs are processed:
         processing appends tokens to the very `SequenceData` it reads.
@@ -270,9 +320,17 @@ class LLMEngine:
             execute_ms=(executed - executing) * 1e3,
             process_ms=(processed - executed) * 1e3,
         )
-        for observer in self.step_observers:
-            observer.on_step(self, record)
-        return request_outputs
+        return request_outputs, record
+
+    def _notify_observers(self, record: StepRecord, request_outputs: list[RequestOutput]) -> None:
+        """Show each observer the finished step. If one raises, the step's
+        outputs (final ones among them) are kept for the next `step()`."""
+        try:
+            for observer in self.step_observers:
+                observer.on_step(self, record)
+        except BaseException:
+            self._undelivered = request_outputs
+            raise
 
     # -- watching the steps -------------------------------------------------
 
@@ -322,6 +380,7 @@ class LLMEngine:
         self.scheduler.free_finished_seq_groups()
 
         finished_now = [s.seq_group for s in scheduled] + scheduler_outputs.ignored_seq_groups
+        finished_now += scheduler_outputs.aborted_seq_groups
         finished_now += self._aborted
         self._aborted = []
         for seq_group in finished_now:
@@ -374,7 +433,8 @@ class LLMEngine:
         run again after a RECOMPUTE preemption computes them again: only
         those not yet recorded are kept.
         """
-        first = seq_group.seqs[0].data.num_computed_tokens + 1
+        # The prefilling sequence (a finished sibling's count is stale).
+        first = seq_group.get_seqs(SequenceStatus.RUNNING)[0].data.num_computed_tokens + 1
         known = len(seq_group.prompt_logprobs)
         seq_group.prompt_logprobs += prompt_logprobs[known - first :]
         self.detokenizer.decode_prompt_logprobs_inplace(seq_group, known)

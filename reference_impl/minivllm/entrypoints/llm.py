@@ -63,11 +63,17 @@ class LLM:
                 f"priority has {len(priorities)} entries but there are {len(prompt_list)} prompts"
             )
         request_ids = []
-        for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
-            request_id = str(next(self.request_counter))
-            self.llm_engine.add_request(request_id, prompt, params, priority=prio)
-            request_ids.append(request_id)
-        return self._run_engine(request_ids, use_tqdm)
+        try:
+            for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
+                request_id = str(next(self.request_counter))
+                self.llm_engine.add_request(request_id, prompt, params, priority=prio)
+                request_ids.append(request_id)
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            # A refused prompt, or an interrupted call: nothing of this call
+            # may linger in the engine and run in the next one.
+            self.llm_engine.abort_request(request_ids)
+            raise
 
     @staticmethod
     def _normalize_prompts(prompts) -> list[PromptType]:

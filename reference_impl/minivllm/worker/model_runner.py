@@ -60,6 +60,7 @@ class FlatBatch:
     ) -> FlatBatch:
         batch = cls([], [], [], [], [], [], [], [0], 0, 0)
         for meta in seq_group_metadata_list:
+            cls._check_group(meta, num_decodes=len(batch.seq_ids) - batch.num_prefills)
             for seq_id, data in meta.seq_data.items():
                 context_len = data.num_computed_tokens
                 seq_len = context_len + meta.token_chunk_size
@@ -80,6 +81,22 @@ class FlatBatch:
                     batch.num_prefill_tokens += meta.token_chunk_size
                     batch.query_start_loc.append(len(batch.input_ids))
         return batch
+
+    @staticmethod
+    def _check_group(meta: SequenceGroupMetadata, num_decodes: int) -> None:
+        """The layout attention relies on: prefills before decodes, and one
+        new token per decoding sequence. A group that breaks it (a prefill
+        scheduled as a decode) would be attended over the wrong keys."""
+        if meta.is_prompt and num_decodes:
+            raise ValueError(
+                f"request {meta.request_id}: a prefill after {num_decodes} decodes; "
+                "the batch must list prefills first"
+            )
+        if not meta.is_prompt and meta.token_chunk_size != 1:
+            raise ValueError(
+                f"request {meta.request_id}: a decode computes 1 token per sequence, but "
+                f"{meta.token_chunk_size} were scheduled (a prefill marked is_prompt=False?)"
+            )
 
 
 class ModelRunner:

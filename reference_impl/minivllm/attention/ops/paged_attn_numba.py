@@ -25,9 +25,43 @@ import math
 import numba
 import numpy as np
 
+from minivllm.attention.kv_cache import check_decode_args
+
+
+def paged_attention_decode(
+    out: np.ndarray,  # [num_seqs, num_heads, head_size]
+    query: np.ndarray,  # [num_seqs, num_heads, head_size]
+    key_cache: np.ndarray,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: np.ndarray,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables: np.ndarray,  # [num_seqs, max_blocks_per_seq], int64
+    seq_lens: np.ndarray,  # [num_seqs], int64, each >= 1
+    scale: float,
+) -> None:
+    """Check the decode contract (attention/kv_cache.py), then run the kernel.
+
+    Compiled code does not check bounds: a block number past the pool or a
+    length past the table would read other memory, or crash the process.
+    Everything is on the host here, so the values are checked too.
+    """
+    if out.shape != query.shape or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"out {out.shape} must match query {query.shape}, and the value cache "
+            f"{value_cache.shape} the key cache {key_cache.shape}"
+        )
+    max_seq_len = int(seq_lens.max(initial=0))
+    check_decode_args(query.shape, key_cache.shape, block_tables.shape, seq_lens.shape, max_seq_len)
+    if len(seq_lens) and seq_lens.min() < 1:
+        raise ValueError(f"every sequence attends to at least 1 token, got seq_lens {seq_lens}")
+    if block_tables.size and not 0 <= block_tables.min() <= block_tables.max() < len(key_cache):
+        raise ValueError(
+            f"block numbers must be in [0, {len(key_cache)}), got "
+            f"{block_tables.min()}..{block_tables.max()}"
+        )
+    _paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+
 
 @numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
-def paged_attention_decode(
+def _paged_attention_decode(
     out: np.ndarray,  # [num_seqs, num_heads, head_size]
     query: np.ndarray,  # [num_seqs, num_heads, head_size]
     key_cache: np.ndarray,  # [num_blocks, block_size, num_kv_heads, head_size]
