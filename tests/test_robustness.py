@@ -260,3 +260,19 @@ def test_interrupted_generate_leaves_no_orphans(tiny_model_dir):
     assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == (
         engine.cache_config.num_gpu_blocks
     )
+
+
+def test_cuda_launchers_refuse_a_mismatched_batch_before_launching():
+    """The CUDA entry points check the same contract from shapes alone (no
+    GPU memory is read, so it runs here without one)."""
+    from minivllm import _custom_ops as ops
+
+    case = make_decode_case([9], 4, 2, 16, 8)
+    query = case.query.repeat(22, 1, 1)
+    for kernel in (ops.paged_attention_v1, ops.paged_attention_v2):
+        with pytest.raises(ValueError, match="one query row per sequence: query has 22 rows"):
+            kernel(torch.empty_like(query), query, case.kv_cache[0], case.kv_cache[1],
+                   case.block_tables, case.seq_lens, case.scale, 9)
+        with pytest.raises(ValueError, match="needs more than the block tables"):
+            kernel(torch.empty_like(case.query), case.query, case.kv_cache[0], case.kv_cache[1],
+                   case.block_tables, case.seq_lens, case.scale, 10_000)
