@@ -1,10 +1,12 @@
 """The tracer's capture: the engine's step-observer hook, the JSONL writer
-and its schema, the dry-run executor, and a hand-worked scenario asserted
-field by field."""
+and its schema, the reader that checks every trace it loads, the dry-run
+executor, and a hand-worked scenario asserted field by field."""
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 import subprocess
 import sys
 import textwrap
@@ -15,8 +17,9 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.engine import llm_engine
 from minivllm.worker.dry_run_worker import dry_run_token
+from tools.tracer.errors import TraceError
 from tools.tracer.scenario import SCENARIO_DIR, load_scenario, run_scenario
-from tools.tracer.schema import validate_trace
+from tools.tracer.schema import SCHEMA_PATH, _compile, _Invalid, check_line, validate_trace
 from tools.tracer.trace import load_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -364,3 +367,206 @@ def test_trace_lines_are_flushed_as_written(tiny_model_dir, tmp_path):
     engine.stop_trace()
     engine.step()
     assert len(path.read_text().splitlines()) == 3
+
+
+# -- strict JSON ------------------------------------------------------------------
+
+
+def _refuse(name):
+    raise AssertionError(f"{name} in a trace")
+
+
+def test_writer_writes_strict_json_and_a_non_finite_float_as_null(tiny_model_dir, tmp_path):
+    """SamplingParams accepts temperature=inf; Python's json would write
+    `Infinity`, which is not JSON."""
+    path = tmp_path / "inf.jsonl"
+    llm = LLM(tiny_model_dir("llama"), dry_run=True, trace=str(path))
+    params = SamplingParams(temperature=float("inf"), max_tokens=2)
+    llm.generate([ids(2, 5)], params, use_tqdm=False)
+    text = path.read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    lines = [json.loads(line, parse_constant=_refuse) for line in text.splitlines()]
+    assert lines[1]["sampling_params"]["temperature"] is None
+    assert lines[1]["sampling_params"]["top_p"] == 1.0  # finite floats are untouched
+    assert validate_trace(path) == 1 + 1 + 2
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_reader_refuses_non_finite_numbers_naming_the_line(admission_trace, tmp_path, token):
+    lines = admission_trace.read_text().splitlines(keepends=True)
+    step = json.loads(lines[4])
+    step["timings"]["execute_ms"] = 12345.5
+    lines[4] = json.dumps(step).replace("12345.5", token) + "\n"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines))
+    for read in (load_trace, validate_trace):
+        with pytest.raises(
+            TraceError, match=rf"^{bad}:5: the line has (NaN|Infinity|-Infinity|the number 1e999)"
+        ):
+            read(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("[" * 100_000, "nested too deeply"), ("1" * 5000, "Exceeds the limit")],
+)
+def test_json_python_cannot_hold_is_refused_naming_the_line(
+    admission_trace, tmp_path, text, message
+):
+    lines = admission_trace.read_text().splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:3] + [text + "\n"] + lines[3:]))
+    with pytest.raises(
+        TraceError, match=rf"bad.jsonl:4: not a JSON line this tracer can read \(.*{message}"
+    ):
+        load_trace(bad)
+
+
+# -- the reader's checks ----------------------------------------------------------
+
+
+def test_an_empty_trace_is_not_valid(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(
+        TraceError, match=r"empty.jsonl: not a trace: no header line \(the file is empty\)"
+    ):
+        validate_trace(empty)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text('{"type": "header", "schema_')
+    with pytest.raises(TraceError, match="no header line .its only line is cut short"):
+        validate_trace(cut)
+
+
+def test_json_errors_name_the_line_of_the_file(admission_trace, tmp_path):
+    lines = admission_trace.read_text().splitlines(keepends=True)
+    lines[2] = lines[2][:30] + "\n"  # line 3 is cut in the middle of a string
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines))
+    with pytest.raises(TraceError, match=r"bad.jsonl:3: not a JSON line \(.* at column \d+\)$"):
+        validate_trace(bad)
+
+
+def _rewrite(path: Path, out: Path, number: int, change) -> Path:
+    """A copy of the trace at `path` with line `number` (1-based) passed
+    through `change`, which edits the parsed line in place."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    change(lines[number - 1])
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("number", "change", "message"),
+    [
+        (2, lambda r: r.update(arrival_step=1), "arrival_step 1, but 0 step lines come before"),
+        (4, lambda s: s.update(step=1), "step number 1, expected 0"),
+        (4, lambda s: s["sampled"].update({"9": 5}), r"sampled names seqs \[9\] that seqs lacks"),
+        (4, lambda s: s["block_tables"]["0"].append(10), r"gpu blocks \[10\], beyond the 10"),
+        (4, lambda s: s["free_blocks"].update(gpu=11), "free_blocks.gpu is 11, more than"),
+        (
+            4,
+            lambda s: s["finished"].append({"request_id": "Z", "finish_reason": "stop"}),
+            r"request ids \['Z'\] have no request line",
+        ),
+        (4, lambda s: s.update(num_batched_tokens=99), "num_batched_tokens is not the sum"),
+        (1, lambda h: h.update(schema_version=2), "schema_version 2, this tracer reads version 1"),
+        (1, lambda h: h.update(type="step"), "a trace starts with its header line"),
+        (4, lambda s: s["timings"].pop("execute_ms"), "step line: timings has no 'execute_ms'"),
+        (4, lambda s: s.update(colour="red"), "step line has an unknown field 'colour'"),
+        (4, lambda s: s["seqs"].update(x={}), 'step line: seqs has a key that is "x", which'),
+        (
+            4,
+            lambda s: s.update(prefix_cache="none"),
+            "prefix_cache is a string, expected null or object",
+        ),
+    ],
+)
+def test_reader_refuses_what_the_rules_forbid(admission_trace, tmp_path, number, change, message):
+    bad = _rewrite(admission_trace, tmp_path / "bad.jsonl", number, change)
+    with pytest.raises(TraceError, match=rf"^{bad}:{number}: .*{message}"):
+        load_trace(bad)
+
+
+def test_reader_refuses_a_second_header(admission_trace, tmp_path):
+    lines = admission_trace.read_text().splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:3] + lines[:1] + lines[3:]))
+    with pytest.raises(TraceError, match=r"bad.jsonl:4: the header is the first line, and only"):
+        load_trace(bad)
+
+
+def _mutants(value, rng):
+    """Copies of `value` with one part replaced, removed or added."""
+    replacements = [None, "x", -1, 7, 1.5, True, [], {}, [3, 4], {"a": 1}]
+    if isinstance(value, dict):
+        yield {**value, "unexpected": 1}
+        for key, item in value.items():
+            yield {k: v for k, v in value.items() if k != key}
+            for sub in _mutants(item, rng):
+                yield {**value, key: sub}
+    elif isinstance(value, list):
+        yield value + [rng.choice(replacements)]
+        for i, item in enumerate(value[:3]):
+            for sub in _mutants(item, rng):
+                yield value[:i] + [sub] + value[i + 1 :]
+    for replacement in replacements:
+        yield copy.deepcopy(replacement)
+
+
+def test_line_checker_agrees_with_jsonschema(admission_trace, traces_for_schema):
+    """The reader's compiled schema accepts and refuses what `jsonschema`,
+    the reference implementation of JSON Schema, does."""
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text()))
+    rng = random.Random(0)
+    lines = [
+        json.loads(line) for path in traces_for_schema for line in path.read_text().splitlines()
+    ]
+    cases = lines + rng.sample([m for line in lines[:8] for m in _mutants(line, rng)], 600)
+    refused = 0
+    for line in cases:
+        try:
+            check_line(line)
+            ours = True
+        except _Invalid:
+            ours, refused = False, refused + 1
+        assert ours == validator.is_valid(line), json.dumps(line)[:300]
+    assert 300 < refused < len(cases)
+
+
+@pytest.fixture
+def traces_for_schema(admission_trace, tiny_model_dir, tmp_path):
+    """The hand-worked trace and one with swaps, forks and prefix caching."""
+    scenario = load_scenario(SCENARIO_DIR / "preempt_swap.yaml")
+    path = tmp_path / "swap.jsonl"
+    run_scenario(scenario, path, tiny_model_dir("llama"), dry_run=True)
+    return [admission_trace, path]
+
+
+def test_schema_keywords_the_checker_lacks_are_refused():
+    with pytest.raises(NotImplementedError, match="maximum"):
+        _compile({"type": "integer", "maximum": 3}, {}, {})
+
+
+def test_a_trace_started_mid_run_describes_the_queued_requests(tiny_model_dir, tmp_path):
+    """Requests added before start_trace get request lines (arriving at step
+    0), so the steps that name them make a valid trace."""
+    llm = LLM(tiny_model_dir("llama"), dry_run=True)
+    engine = llm.llm_engine
+    engine.add_request("early", ids(2, 6), SamplingParams(max_tokens=8))
+    engine.step()
+    engine.add_request("waiting", ids(20, 4), SamplingParams(max_tokens=3))
+    path = tmp_path / "mid.jsonl"
+    engine.start_trace(str(path))
+    engine.add_request("late", ids(40, 5), SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.stop_trace()
+    trace = load_trace(path)
+    assert {rid: r["arrival_step"] for rid, r in trace.requests.items()} == {
+        "early": 0,
+        "waiting": 0,
+        "late": 0,
+    }
+    assert trace.lifecycles()["early"].num_output_tokens == 7  # one came before the trace

@@ -1,18 +1,25 @@
 """The tracer's views and scenarios: every shipped scenario shows what it
 claims and validates; show, summary, render, timeline and the notebook
-views print and draw what they should (dry runs, no model weights)."""
+views print and draw what they should (dry runs, no model weights); every
+command refuses bad input in one line, and takes long traces a range of
+steps at a time."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+import tools.tracer.timeline as timeline_module
+import tools.tracer.trace as trace_module
 from tools.tracer.cli import main
 from tools.tracer.notebook import trace_page
 from tools.tracer.scenario import (
@@ -31,6 +38,10 @@ from tools.tracer.trace import load_trace
 needs_dot = pytest.mark.skipif(
     shutil.which("dot") is None, reason="Graphviz's dot is not installed (make setup installs it)"
 )
+needs_node = pytest.mark.skipif(
+    shutil.which("node") is None, reason="Node.js runs the step page's script outside a browser"
+)
+REPO = Path(__file__).resolve().parents[1]
 SVG = "{http://www.w3.org/2000/svg}"
 XLINK_TITLE = "{http://www.w3.org/1999/xlink}title"
 
@@ -180,13 +191,88 @@ def test_render_svg_names_every_live_sequence_and_block(traces, tmp_path):
 
 
 @needs_dot
-def test_render_png_and_html_page(traces, tmp_path):
+def test_render_png(traces, tmp_path):
     path = str(traces["admission_blocked"])
     assert main(["render", path, "--step", "0", "-o", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
-    page = trace_page(load_trace(path))
-    assert page.count('<div class="step"') == 5 and page.count("<svg") == 5
-    assert 'type="range"' in page and 'max="4"' in page
+
+
+def page_data(page: str) -> dict:
+    found = re.search(r'<script id="trace-data" type="application/json">(.*?)</script>', page, re.S)
+    return json.loads(found.group(1))
+
+
+def test_html_page_holds_each_block_table_layout_once(traces):
+    page = trace_page(load_trace(traces["admission_blocked"]))
+    assert 'type="range"' in page and 'max="4"' in page and "<svg" not in page
+    data = page_data(page)
+    assert [s["n"] for s in data["steps"]] == [0, 1, 2, 3, 4]
+    # A holds blocks 0-6 in steps 0 and 1; nothing in 2 and 4; B holds 6 5 4 3 in step 3.
+    assert data["layouts"] == [
+        [[0, "A", "running", [0, 1, 2, 3, 4, 5, 6]]],
+        [],
+        [[1, "B", "running", [6, 5, 4, 3]]],
+    ]
+    assert [s["layout"] for s in data["steps"]] == [0, 0, 1, 2, 1]
+    assert data["steps"][3]["lens"] == [[51, 50]] and data["steps"][3]["free"][0] == 6
+
+
+def test_html_page_grows_by_a_few_hundred_bytes_a_step(traces):
+    """A diagram per step made 20,000 steps 2.9 GB: the page now carries a
+    step's data, and draws it in the browser."""
+    trace = load_trace(traces["preempt_swap"])  # 55 steps, 3 requests
+    small, large = (len(trace_page(trace, steps=range(n)).encode()) for n in (5, 55))
+    assert (large - small) / 50 < 400
+
+
+def test_html_page_data_cannot_end_its_script(traces, tmp_path):
+    text = traces["admission_blocked"].read_text().replace('"B"', '"<!--<script></script>B"')
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(text)
+    page = trace_page(load_trace(odd))
+    assert page.count("</script>") == 2 and "<!--" not in page  # the page's own elements only
+    assert page_data(page)["queues"][0][0] == ["<!--<script></script>B"]
+
+
+def drawn_steps(page: Path) -> list[str]:
+    """Each step of the page as its script draws it, run by Node."""
+    harness = """
+    const page = require("fs").readFileSync(process.argv[1], "utf8");
+    const data = JSON.parse(page.match(/<script id="trace-data"[^>]*>(.*?)<\\/script>/s)[1]);
+    const mod = { exports: {} };
+    new Function("module", page.match(/<script>\\n(.*?)<\\/script>/s)[1])(mod);
+    console.log(JSON.stringify(data.steps.map((_, i) => mod.exports.stepHtml(data, i))));
+    """
+    done = subprocess.run(["node", "-e", harness, str(page)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@needs_node
+def test_html_page_draws_every_block_table_and_pool_cell(traces, tmp_path):
+    for name in ("copy_on_write", "preempt_swap"):
+        trace = load_trace(traces[name])
+        out = tmp_path / f"{name}.html"
+        assert main(["render", str(traces[name]), "-o", str(out)]) == 0
+        drawn = drawn_steps(out)
+        assert len(drawn) == len(trace.steps)
+        for step, fragment in zip(trace.steps, drawn, strict=True):
+            assert f"step {step['step']}: {step['num_batched_tokens']} tokens" in fragment
+            titles = set(re.findall(r'title="([^"]*)"', fragment))
+            for seq_id, table in step["block_tables"].items():
+                seq = step["seqs"][seq_id]
+                assert f"seq {seq_id} · {seq['request_id']} · {seq['status']} · " in fragment
+                assert "".join(f"L{i} → {b}</td>" for i, b in enumerate(table)) in re.sub(
+                    r"<td[^>]*>", "", fragment
+                )
+                device = "cpu" if seq["status"] == "swapped" else "gpu"
+                for block in table:
+                    owned = f"{device} block {block}: "
+                    assert any(t.startswith(owned) and f"seq {seq_id}" in t for t in titles)
+            gpu_cells = {t.split(":")[0] for t in titles if t.startswith("gpu block ")}
+            assert len(gpu_cells) == trace.num_gpu_blocks
+    # Shared blocks show their ref counts, as in the SVG.
+    assert "3 ×3" in drawn_steps(tmp_path / "copy_on_write.html")[3]
 
 
 def test_render_without_dot_says_how_to_install(traces, tmp_path, monkeypatch, capsys):
@@ -275,3 +361,216 @@ def test_cli_run_prompts(tiny_model_dir, tmp_path, capsys):
     trace = load_trace(out)
     assert [r["prompt"] for r in trace.requests.values()] == ["Once upon a time", "The cat"]
     assert [f["request_id"] for s in trace.steps for f in s["finished"]] == ["0", "1"]
+
+
+# -- bad input: one line, no traceback ------------------------------------------------
+
+_STEP_LINE = 4  # in the admission trace: header, requests A and B, then steps
+
+
+def _edit(lines: list[str], number: int, change) -> list[str]:
+    line = json.loads(lines[number - 1])
+    change(line)
+    return lines[: number - 1] + [json.dumps(line) + "\n"] + lines[number:]
+
+
+def _with_token(lines: list[str], token: str) -> list[str]:
+    marked = _edit(lines, _STEP_LINE, lambda s: s["timings"].update(execute_ms=12345.5))
+    return [line.replace("12345.5", token) for line in marked]
+
+
+def _int_ids(lines: list[str]) -> list[str]:
+    return [line.replace('"A"', "7") for line in lines]
+
+
+def bad_traces(good: Path, out: Path) -> list[tuple[Path, str]]:
+    """(a file that is not a valid trace, what the error must say)."""
+    lines = good.read_text().splitlines(keepends=True)
+    contents = {
+        "array.jsonl": (lines[:3] + ["[1, 2]\n"] + lines[3:], ":4: the line is an array"),
+        "number.jsonl": (lines[:3] + ["3\n"] + lines[3:], ":4: the line is the number 3"),
+        "no_scheduled.jsonl": (
+            _edit(lines, _STEP_LINE, lambda s: s.pop("scheduled")),
+            ":4: step line has no 'scheduled'",
+        ),
+        "no_timings.jsonl": (
+            _edit(lines, _STEP_LINE, lambda s: s.pop("timings")),
+            ":4: step line has no 'timings'",
+        ),
+        "no_request.jsonl": (
+            lines[:2] + lines[3:],
+            ":3: request ids ['B'] have no request line before this step",
+        ),
+        "int_ids.jsonl": (_int_ids(lines), ":2: request line: request_id is the number 7"),
+        "nan.jsonl": (_with_token(lines, "NaN"), ":4: the line has NaN, which is not JSON"),
+        "inf.jsonl": (_with_token(lines, "-Infinity"), ":4: the line has -Infinity"),
+        "empty.jsonl": ([], ": not a trace: no header line (the file is empty)"),
+        "v2.jsonl": (
+            _edit(lines, 1, lambda h: h.update(schema_version=2)),
+            ":1: schema_version 2, this tracer reads version 1",
+        ),
+    }
+    cases = []
+    for name, (text, message) in contents.items():
+        (out / name).write_text("".join(text))
+        cases.append((out / name, message))
+    (out / "latin1.jsonl").write_bytes(lines[0].encode() + b'{"type": "r\xe9quest"}\n')
+    cases.append((out / "latin1.jsonl", ":2: is not UTF-8 text"))
+    (out / "a_directory").mkdir()
+    cases.append((out / "a_directory", ": is a directory, not a trace file"))
+    cases.append((out / "missing.jsonl", ": no such file"))
+    return cases
+
+
+def trace_commands(path: Path, out: Path) -> list[list[str]]:
+    """Every command that reads a trace, every way."""
+    p = str(path)
+    return [
+        ["show", p],
+        ["show", p, "--step", "0"],
+        ["show", p, "--steps", "0:2"],
+        ["render", p, "--step", "0", "-o", str(out / "s.svg")],
+        ["render", p, "-o", str(out / "steps.html")],
+        ["timeline", p, "-o", str(out / "t.png")],
+        ["timeline", p, "-o", str(out / "t.json")],
+        ["summary", p],
+        ["validate", p],
+    ]
+
+
+def one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(f"minivllm-trace {command}: error: "), err
+    return err
+
+
+def test_every_command_refuses_a_bad_trace_in_one_line(traces, tmp_path, capsys):
+    for path, message in bad_traces(traces["admission_blocked"], tmp_path):
+        for args in trace_commands(path, tmp_path):
+            assert main(args) == 1, args
+            err = one_line_error(capsys, args[0])
+            assert f"{path}{message}" in err, (args, err)
+            assert not list(tmp_path.glob("s.svg")) and not list(tmp_path.glob("t.*"))
+
+
+def test_python_m_tools_tracer_refuses_in_one_line(tmp_path):
+    (tmp_path / "dir.jsonl").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.tracer", "summary", str(tmp_path / "dir.jsonl")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"minivllm-trace summary: error: {tmp_path / 'dir.jsonl'}: is a directory, not a trace "
+        "file\n"
+    )
+
+
+def test_run_refuses_bad_options_and_scenarios_in_one_line(tiny_model_dir, tmp_path, capsys):
+    model = tiny_model_dir("llama")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("requests: [\n")
+    odd_claim = tmp_path / "odd_claim.yaml"
+    odd_claim.write_text("shows: [flying]\nrequests: [{prompt_len: 4}]\n")
+    odd_field = tmp_path / "odd_field.yaml"
+    odd_field.write_text("requests: [{prompt_len: 4, colour: red}]\n")
+    (tmp_path / "out_dir").mkdir()
+    out = ["--dry-run", "--model", model, "-o", str(tmp_path / "run.jsonl")]
+    cases = [
+        (["admission_blocked", *out, "-e", "bogus=1"], "unexpected keyword argument(s) ['bogus']"),
+        (["admission_blocked", *out, "-e", "block_size=0"], "block_size must be a power of two"),
+        (["admission_blocked", *out, "--max-steps", "2"], "still running after 2 steps"),
+        ([str(broken), *out], f"{broken}: not YAML"),
+        ([str(odd_claim), *out], "unknown claims ['flying']"),
+        ([str(odd_field), *out], "request 0: "),
+        (["-p", "hi", "--max-tokens", "0", *out], "request 0: max_tokens must be at least 1"),
+        (["no_such_scenario", *out], "no scenario file 'no_such_scenario'"),
+        (["admission_blocked", *out[:-1], str(tmp_path / "out_dir")], "is a directory"),
+    ]
+    for args, message in cases:
+        assert main(["run", *args]) == 1, args
+        assert message in one_line_error(capsys, "run"), args
+
+
+def test_unexpected_errors_keep_their_traceback(traces, monkeypatch):
+    """Only the tracer's own errors become one line: a bug still shows where it is."""
+
+    def broken(trace, console=None):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("tools.tracer.summary.summary", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        main(["summary", str(traces["admission_blocked"])])
+
+
+def test_request_ids_print_as_text_not_markup(traces, tmp_path):
+    text = traces["admission_blocked"].read_text().replace('"A"', '"[/x]"')
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(text)
+    trace = load_trace(odd)
+    assert "P [/x]:100" in printed(show, trace, None)
+    assert "│ [/x] " in printed(summary, trace)
+
+
+# -- long traces: a range of steps at a time ------------------------------------------
+
+
+def test_views_of_every_step_refuse_too_many_and_take_a_range(
+    traces, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("COLUMNS", "140")
+    monkeypatch.setattr(trace_module, "MAX_STEPS_AT_ONCE", 20)
+    path = str(traces["preempt_swap"])  # 55 steps
+    page, chrome = tmp_path / "steps.html", tmp_path / "t.json"
+    printed_rows = []
+    for args in (
+        ["show", path],
+        ["render", path, "-o", str(page)],
+        ["timeline", path, "-o", str(chrome)],
+    ):
+        assert main(args) == 1
+        err = one_line_error(capsys, args[0])
+        assert "at most 20 steps at once and this trace has 55: choose them with --steps A:B" in err
+        assert main([*args, "--steps", "10:20"]) == 0
+        out = capsys.readouterr().out
+        printed_rows += [line for line in out.splitlines() if line.startswith("│")]
+    assert [int(row.split("│")[1]) for row in printed_rows] == list(range(10, 20))
+    assert [s["n"] for s in page_data(page.read_text())["steps"]] == list(range(10, 20))
+    events = json.loads(chrome.read_text())["traceEvents"]
+    engine_steps = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 0]
+    assert engine_steps == [f"step {n}" for n in range(10, 20)]
+    assert min(e["ts"] for e in events if e["ph"] == "X") == 0
+    # Asked for explicitly, every step is drawn.
+    assert main(["render", path, "-o", str(page), "--steps", "0:55"]) == 0
+    assert len(page_data(page.read_text())["steps"]) == 55
+
+
+def test_step_ranges_are_checked(traces, capsys):
+    path = str(traces["preempt_swap"])
+    for spec in ("5", "a:b", "-1:4", "55:", "30:10"):
+        assert main(["show", path, f"--steps={spec}"]) == 1, spec
+        assert "--steps" in one_line_error(capsys, "show")
+    assert main(["show", path, "--steps", "50:"]) == 0  # an open end: to the last step
+    assert "steps 50 to 54 of 55" in capsys.readouterr().out
+
+
+def test_timeline_png_refuses_more_rows_than_an_image_holds(traces, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(timeline_module, "MAX_ROWS", 2)
+    out = tmp_path / "t.png"
+    assert main(["timeline", str(traces["preempt_swap"]), "-o", str(out)]) == 1
+    err = one_line_error(capsys, "timeline")
+    assert "has 3 requests, more than the 2 rows" in err and "--steps A:B" in err
+    assert not out.exists()
+
+
+def test_timeline_of_a_range_cuts_each_life_to_it(traces):
+    trace = load_trace(traces["preempt_swap"])
+    whole = {life.request_id: life for life in timeline_module.lives_in(trace)}
+    for life in timeline_module.lives_in(trace, range(10, 20)):
+        assert [n for n, _ in life.states] == [
+            n for n, _ in whole[life.request_id].states if 10 <= n < 20
+        ]
+        assert life.finished is None or 10 <= life.finished[0] < 20

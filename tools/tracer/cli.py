@@ -2,14 +2,21 @@
 
     minivllm-trace run admission_blocked --dry-run -o run.jsonl
     minivllm-trace run -p "Once upon a time" -p "The cat" --max-tokens 20
-    minivllm-trace show run.jsonl [--step 3]
-    minivllm-trace render run.jsonl --step 3 -o step3.svg   (or .png; .html: all steps)
+    minivllm-trace show run.jsonl [--step 3 | --steps 100:200]
+    minivllm-trace render run.jsonl --step 3 -o step3.svg   (or .png, .pdf)
+    minivllm-trace render run.jsonl -o steps.html [--steps 100:200]
     minivllm-trace timeline run.jsonl -o timeline.png       (or .json for Perfetto)
     minivllm-trace summary run.jsonl
     minivllm-trace validate run.jsonl
     minivllm-trace scenarios
 
-Also `python -m tools.tracer ...` from the repository root.
+Also `python -m tools.tracer ...` from the repository root. The views that
+draw every step take at most MAX_STEPS_AT_ONCE (2,000) unless `--steps A:B`
+(steps A to B-1) says which.
+
+Every trace is read by one path (`schema.read_trace`), which refuses a file
+that is not a valid trace with `TraceError` naming the file and the line;
+`main` prints the tracer's errors in one line and exits with 1.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from pathlib import Path
 
 import yaml
 
-from tools.tracer.trace import load_trace
+from tools.tracer.errors import TracerError
+from tools.tracer.trace import MAX_STEPS_AT_ONCE, load_trace, step_range
 
 
 def _default_model() -> str:
@@ -31,8 +39,8 @@ def _default_model() -> str:
     except ImportError:
         DEFAULT_MODEL = None
     if DEFAULT_MODEL is None or not os.path.isdir(DEFAULT_MODEL):
-        raise SystemExit(
-            "minivllm-trace run: the shipped model (minivllm.assets.DEFAULT_MODEL) is not "
+        raise TracerError(
+            "the shipped model (minivllm.assets.DEFAULT_MODEL) is not "
             "installed here; pass --model DIR (any Hugging Face checkpoint directory)"
         )
     return DEFAULT_MODEL
@@ -42,7 +50,10 @@ def _engine_arg(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, yaml.safe_load(value)
+    try:
+        return key, yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise argparse.ArgumentTypeError(f"{text!r}: VALUE is not a YAML value") from None
 
 
 def _resolve_scenario(name: str) -> Path:
@@ -55,21 +66,21 @@ def _resolve_scenario(name: str) -> Path:
     if shipped.is_file():
         return shipped
     names = ", ".join(p.stem for p in shipped_scenarios())
-    raise SystemExit(f"no scenario file {name!r}; shipped scenarios: {names}")
+    raise TracerError(f"no scenario file {name!r}; shipped scenarios: {names}")
 
 
 def cmd_run(args: argparse.Namespace) -> None:
     from tools.tracer.scenario import Scenario, check_claims, load_scenario, run_scenario
 
     if args.scenario and args.prompt:
-        raise SystemExit("run takes a scenario or --prompt, not both")
+        raise TracerError("run takes a scenario or --prompt, not both")
     if args.scenario:
         scenario = load_scenario(_resolve_scenario(args.scenario))
     elif args.prompt:
         requests = [{"prompt": p, "max_tokens": args.max_tokens} for p in args.prompt]
         scenario = Scenario("prompts", "", {}, requests)
     else:
-        raise SystemExit("run needs a scenario (a file or a shipped name) or --prompt TEXT")
+        raise TracerError("run needs a scenario (a file or a shipped name) or --prompt TEXT")
     model = args.model or _default_model()
     steps = run_scenario(
         scenario, args.output, model, args.dry_run, dict(args.engine_arg), args.max_steps
@@ -85,29 +96,43 @@ def cmd_run(args: argparse.Namespace) -> None:
 def cmd_show(args: argparse.Namespace) -> None:
     from tools.tracer.show import show
 
-    show(load_trace(args.trace), args.step)
+    if args.step is not None and args.steps is not None:
+        raise TracerError("show takes --step N (one step in full) or --steps A:B, not both")
+    trace = load_trace(args.trace)
+    if args.step is not None:
+        show(trace, args.step)
+    else:
+        show(trace, steps=step_range(trace, args.steps, "show"))
 
 
 def cmd_render(args: argparse.Namespace) -> None:
     from tools.tracer.notebook import trace_page
-    from tools.tracer.render import render_step
+    from tools.tracer.render import check_image_format, render_step
 
-    trace = load_trace(args.trace)
     out = Path(args.output)
     if out.suffix == ".html":
-        out.write_text(trace_page(trace, title=str(args.trace)), encoding="utf-8")
-    elif args.step is None:
-        raise SystemExit("render needs --step N for an image (or -o FILE.html for every step)")
+        if args.step is not None:
+            raise TracerError("-o FILE.html draws a range of steps: --steps A:B, not --step N")
+        trace = load_trace(args.trace)
+        steps = step_range(trace, args.steps, "render -o FILE.html")
+        out.write_text(trace_page(trace, title=str(args.trace), steps=steps), encoding="utf-8")
+    elif args.step is None or args.steps is not None:
+        raise TracerError("render draws one step as an image (--step N), or -o FILE.html for steps")
     else:
+        check_image_format(out)
+        trace = load_trace(args.trace)
         trace.step(args.step)  # a clear error for a step the trace lacks
         render_step(trace, args.step, out)
     print(f"wrote {out}")
 
 
 def cmd_timeline(args: argparse.Namespace) -> None:
-    from tools.tracer.timeline import write_timeline
+    from tools.tracer.timeline import check_timeline_format, write_timeline
 
-    print(f"wrote {write_timeline(load_trace(args.trace), args.output)}")
+    check_timeline_format(args.output)
+    trace = load_trace(args.trace)
+    steps = step_range(trace, args.steps, "timeline")
+    print(f"wrote {write_timeline(trace, args.output, steps)}")
 
 
 def cmd_summary(args: argparse.Namespace) -> None:
@@ -117,9 +142,11 @@ def cmd_summary(args: argparse.Namespace) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
-    from tools.tracer.schema import validate_trace
+    from tools.tracer.schema import read_trace
 
-    print(f"{args.trace}: {validate_trace(args.trace)} lines, valid")
+    lines, truncated = read_trace(args.trace)
+    cut = " (and a half-written last line, left out)" if truncated else ""
+    print(f"{args.trace}: {len(lines)} lines, valid{cut}")
 
 
 def cmd_scenarios(args: argparse.Namespace) -> None:
@@ -130,6 +157,24 @@ def cmd_scenarios(args: argparse.Namespace) -> None:
         print(scenario.name)
         print(textwrap.indent(textwrap.fill(scenario.description, width=84), "    "))
         print(f"    shows: {', '.join(scenario.shows)}\n")
+
+
+def _steps_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--steps",
+        metavar="A:B",
+        help=f"only steps A to B-1 (A: and :B leave an end open); needed above "
+        f"{MAX_STEPS_AT_ONCE} steps",
+    )
+
+
+def _check_output(path: str) -> None:
+    """An output file must be writable where it is named, before any work."""
+    out = Path(path)
+    if out.is_dir():
+        raise TracerError(f"{out} is a directory; -o names the file to write")
+    if not out.parent.is_dir():
+        raise TracerError(f"{out}: no directory {out.parent} to write it in")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,17 +205,22 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="the trace in the terminal")
     show.add_argument("trace")
     show.add_argument("--step", type=int, help="one step in full (default: all, one row each)")
+    _steps_option(show)
     show.set_defaults(func=cmd_show)
 
     render = sub.add_parser("render", help="a step's block diagram (Graphviz)")
     render.add_argument("trace")
-    render.add_argument("--step", type=int)
-    render.add_argument("-o", "--output", required=True, help=".svg, .png, .pdf; .html: all")
+    render.add_argument("--step", type=int, help="the step an image shows")
+    render.add_argument(
+        "-o", "--output", required=True, help=".svg, .png, .pdf: one step; .html: every step"
+    )
+    _steps_option(render)
     render.set_defaults(func=cmd_render)
 
     timeline = sub.add_parser("timeline", help="every request's lifecycle")
     timeline.add_argument("trace")
     timeline.add_argument("-o", "--output", required=True, help=".png, or .json for Perfetto")
+    _steps_option(timeline)
     timeline.set_defaults(func=cmd_timeline)
 
     summary = sub.add_parser("summary", help="per-request and total figures")
@@ -189,8 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "output", None):
+            _check_output(args.output)
         args.func(args)
-    except (ValueError, IndexError, FileNotFoundError, RuntimeError) as e:
-        print(f"minivllm-trace {args.command}: {e}", file=sys.stderr)
+    except TracerError as e:  # anything else is a bug: its traceback shows where
+        print(f"minivllm-trace {args.command}: error: {e}", file=sys.stderr)
         return 1
     return 0

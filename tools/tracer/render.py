@@ -19,16 +19,15 @@ from typing import Any
 
 import graphviz
 
+from tools.tracer.errors import TracerError
 from tools.tracer.show import ref_counts
-from tools.tracer.style import seq_color
+from tools.tracer.style import MAX_POOL_CELLS, POOL_COLUMNS, seq_color
 from tools.tracer.trace import Trace
 
-_POOL_COLUMNS = 16
-_MAX_POOL_CELLS = 1024  # above this, only the blocks in use are drawn
 _MAX_EDGES = 256  # above this, the tables show the mapping as text only
 
 
-class GraphvizNotFound(RuntimeError):
+class GraphvizNotFound(TracerError, RuntimeError):
     pass
 
 
@@ -65,7 +64,7 @@ def _pool_label(
             attrs["tooltip"] = f"{device} block {block}: free"
             text = str(block)
         row.append(_cell(text, **attrs))
-        if len(row) == _POOL_COLUMNS:
+        if len(row) == POOL_COLUMNS:
             rows.append(row)
             row = []
     if row:
@@ -134,7 +133,7 @@ def step_graph(trace: Trace, n: int) -> graphviz.Digraph:
         graph.node(f"seq{seq_id}", _seq_label(seq_id, step["seqs"][seq_id], table))
 
     num_gpu = cache["num_gpu_blocks"]
-    gpu_blocks = range(num_gpu) if num_gpu <= _MAX_POOL_CELLS else sorted(owners["gpu"])
+    gpu_blocks = range(num_gpu) if num_gpu <= MAX_POOL_CELLS else sorted(owners["gpu"])
     graph.node(
         "gpu",
         _pool_label(
@@ -157,11 +156,16 @@ def step_graph(trace: Trace, n: int) -> graphviz.Digraph:
     return graph
 
 
+def check_image_format(out: str | Path) -> str:
+    """The image format `out` names by its suffix: svg, png or pdf."""
+    fmt = Path(out).suffix.lstrip(".").lower()
+    if fmt not in ("svg", "png", "pdf"):
+        raise TracerError(f"render writes .svg, .png or .pdf (or .html for steps), got {out}")
+    return fmt
+
+
 def render_step(trace: Trace, n: int, out: str | Path) -> Path:
     """Write step `n` to `out`; the format (svg, png, pdf) is its suffix."""
     out = Path(out)
-    fmt = out.suffix.lstrip(".").lower()
-    if fmt not in ("svg", "png", "pdf"):
-        raise ValueError(f"render writes .svg, .png or .pdf (or .html for all steps), got {out}")
-    out.write_bytes(step_graph(trace, n).pipe(format=fmt))
+    out.write_bytes(step_graph(trace, n).pipe(format=check_image_format(out)))
     return out

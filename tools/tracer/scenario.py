@@ -20,6 +20,9 @@ A scenario is YAML or JSON:
 
 Prompts given by length are pseudo-random token ids (no special tokens),
 the same on every run; a prefix is the same ids in every request using it.
+
+A scenario, prompt or engine option that cannot be played raises
+`ScenarioError` saying which and why (the CLI prints it in one line).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import yaml
 
 from minivllm import EngineArgs, LLMEngine, SamplingParams
+from tools.tracer.errors import ScenarioError
 from tools.tracer.trace import Trace
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -50,25 +54,45 @@ class Scenario:
     shows: list[str] = field(default_factory=list)
 
 
+def _read_data(path: Path) -> Any:
+    """The scenario file's contents, JSON or YAML by its suffix."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"{path}: cannot be read ({e})") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise ScenarioError(f"{path}: not {kind}: {' '.join(str(e).split())}") from None
+
+
 def load_scenario(path: str | Path) -> Scenario:
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    data = _read_data(path)
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: a scenario is a mapping with a 'requests' list")
     unknown = sorted(set(data) - {"description", "shows", "engine", "prefixes", "requests"})
     if unknown:
-        raise ValueError(f"{path}: unknown scenario keys {unknown}")
-    if not data.get("requests"):
-        raise ValueError(f"{path}: a scenario needs a non-empty 'requests' list")
-    bad = sorted(set(data.get("shows", [])) - set(CLAIMS))
+        raise ScenarioError(f"{path}: unknown scenario keys {unknown}")
+    requests = data.get("requests")
+    if not requests or not isinstance(requests, list):
+        raise ScenarioError(f"{path}: a scenario needs a non-empty 'requests' list")
+    if not all(isinstance(r, dict) for r in requests):
+        raise ScenarioError(f"{path}: each of 'requests' is a mapping (id, prompt_len, ...)")
+    for key in ("engine", "prefixes"):
+        if not isinstance(data.get(key) or {}, dict):
+            raise ScenarioError(f"{path}: '{key}' is a mapping of names to values")
+    shows = data.get("shows") or []
+    bad = sorted(map(str, set(shows) - set(CLAIMS))) if isinstance(shows, list) else [shows]
     if bad:
-        raise ValueError(f"{path}: unknown claims {bad} in 'shows'; known: {sorted(CLAIMS)}")
+        raise ScenarioError(f"{path}: unknown claims {bad} in 'shows'; known: {sorted(CLAIMS)}")
     return Scenario(
         name=path.stem,
-        description=data.get("description", "").strip(),
+        description=str(data.get("description") or "").strip(),
         engine=data.get("engine") or {},
-        requests=data["requests"],
+        requests=requests,
         prefixes=data.get("prefixes") or {},
-        shows=data.get("shows", []),
+        shows=shows,
     )
 
 
@@ -91,19 +115,59 @@ def build_prompt(scenario: Scenario, request: dict[str, Any], engine: LLMEngine)
     if "prompt_token_ids" in request:
         return {"prompt_token_ids": request["prompt_token_ids"]}
     if "prompt_len" not in request:
-        raise ValueError(f"request {request['id']}: give prompt, prompt_len or prompt_token_ids")
+        raise ScenarioError(f"request {request['id']}: give prompt, prompt_len or prompt_token_ids")
+    if not _is_count(request["prompt_len"]):
+        raise ScenarioError(f"request {request['id']}: prompt_len is a number of tokens")
     special = set(engine.tokenizer.all_special_ids)
     vocab = [t for t in range(engine.model_config.hf_config.vocab_size) if t not in special]
     ids: list[int] = []
     if "prefix" in request:
         name = request["prefix"]
-        if name not in scenario.prefixes:
-            raise ValueError(f"request {request['id']}: unknown prefix {name!r}")
+        if name not in scenario.prefixes or not _is_count(scenario.prefixes[name]):
+            raise ScenarioError(f"request {request['id']}: no prefix {name!r} of some tokens")
         ids = _token_ids(f"prefix:{name}", scenario.prefixes[name], vocab)
     own = request["prompt_len"] - len(ids)
     if own < 0:
-        raise ValueError(f"request {request['id']}: prompt_len is shorter than its prefix")
+        raise ScenarioError(f"request {request['id']}: prompt_len is shorter than its prefix")
     return {"prompt_token_ids": ids + _token_ids(f"request:{request['id']}", own, vocab)}
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _engine(
+    scenario: Scenario,
+    trace_path: str | Path,
+    model: str,
+    dry_run: bool,
+    overrides: dict[str, Any],
+) -> LLMEngine:
+    """The scenario's engine, tracing. The engine checks its options as it
+    is made: one it refuses is the scenario's error (or -e's), not a bug."""
+    kwargs = {**scenario.engine, **overrides}
+    try:
+        args = EngineArgs.from_kwargs("the engine options", model=model, dry_run=dry_run, **kwargs)
+        return LLMEngine.from_engine_args(args, trace=str(trace_path))
+    except (TypeError, ValueError, OSError) as e:
+        raise ScenarioError(f"{scenario.name}: {e}") from e
+
+
+def _request(
+    scenario: Scenario, index: int, request: dict[str, Any], engine: LLMEngine
+) -> tuple[int, dict[str, Any], dict, SamplingParams]:
+    """(arrival step, request, engine prompt, sampling params) of one request."""
+    request = {"id": str(index), **request}
+    request["id"] = str(request["id"])
+    arrival = request.get("arrival_step", 0)
+    if not _is_count(arrival) or type(request.get("priority", 0)) is not int:
+        raise ScenarioError(f"request {request['id']}: arrival_step and priority are integers")
+    params = {k: v for k, v in request.items() if k not in _REQUEST_KEYS | {"priority"}}
+    try:
+        sampling = SamplingParams(**params)
+    except (TypeError, ValueError) as e:
+        raise ScenarioError(f"request {request['id']}: {e}") from e
+    return arrival, request, build_prompt(scenario, request, engine), sampling
 
 
 def run_scenario(
@@ -120,31 +184,33 @@ def run_scenario(
     engine step, even an empty one, so that trace step numbers are the
     scenario's.
     """
-    kwargs = {**scenario.engine, **(engine_overrides or {})}
-    engine_args = EngineArgs.from_kwargs("scenario engine", model=model, dry_run=dry_run, **kwargs)
-    engine = LLMEngine.from_engine_args(engine_args, trace=str(trace_path))
-    pending = []
-    for index, request in enumerate(scenario.requests):
-        request = {"id": str(index), **request}
-        request["id"] = str(request["id"])
-        params = {k: v for k, v in request.items() if k not in _REQUEST_KEYS | {"priority"}}
-        prompt = build_prompt(scenario, request, engine)
-        pending.append((request.get("arrival_step", 0), request, prompt, SamplingParams(**params)))
-    pending.sort(key=lambda item: item[0])
+    engine = _engine(scenario, trace_path, model, dry_run, engine_overrides or {})
     step = 0
     try:
+        pending = [_request(scenario, i, r, engine) for i, r in enumerate(scenario.requests)]
+        pending.sort(key=lambda item: item[0])
         while pending or engine.has_unfinished_requests():
             if step == max_steps:
-                raise RuntimeError(f"scenario {scenario.name} still running after {step} steps")
+                raise ScenarioError(f"scenario {scenario.name} still running after {step} steps")
             while pending and pending[0][0] <= step:
                 _, request, prompt, params = pending.pop(0)
-                priority = request.get("priority", 0)
-                engine.add_request(request["id"], prompt, params, priority=priority)
+                _add_request(engine, request, prompt, params)
             engine.step()
             step += 1
     finally:
         engine.stop_trace()
     return step
+
+
+def _add_request(
+    engine: LLMEngine, request: dict[str, Any], prompt: dict, params: SamplingParams
+) -> None:
+    """Add one request; a prompt the engine refuses (too long, ids outside the
+    vocabulary, an id in use) names the request."""
+    try:
+        engine.add_request(request["id"], prompt, params, priority=request.get("priority", 0))
+    except ValueError as e:
+        raise ScenarioError(f"request {request['id']}: {e}") from e
 
 
 # -- claims: what a scenario says it shows, checked on its trace --------------

@@ -1,7 +1,8 @@
 """`minivllm-trace show`: a trace in the terminal, with rich.
 
 Without `--step`: one row per step (the batch, queue lengths, free blocks,
-events). With `--step N`: that step in full: the queues before and after,
+events), for every step or those `--steps A:B` names. With `--step N`: that
+step in full: the queues before and after,
 the batch token by token (ids, positions, slots), every block table over a
 strip of the device pool, the block moves and samples, and what changed
 since the step before.
@@ -19,6 +20,12 @@ from tools.tracer.style import seq_color
 from tools.tracer.trace import Trace
 
 _POOL_STRIP_MAX = 512  # larger pools are summarised, not drawn
+
+
+def add_plain_row(table: Table, *cells: str | Text) -> None:
+    """A row whose strings print as they are: a trace's request ids are
+    data, and "[/x]" read as rich markup would be an error."""
+    table.add_row(*(cell if isinstance(cell, Text) else Text(cell) for cell in cells))
 
 
 def ranges(values: list[int]) -> str:
@@ -76,13 +83,19 @@ def batch_summary(step: dict[str, Any]) -> str:
     return ", ".join(parts) or "(empty)"
 
 
-def overview(trace: Trace) -> Table:
-    table = Table(title=f"{len(trace.steps)} steps", title_justify="left")
+def overview(trace: Trace, steps: range | None = None) -> Table:
+    """One row per step: all of them, or those in `steps`."""
+    steps = range(len(trace.steps)) if steps is None else steps
+    title = f"{len(trace.steps)} steps"
+    if len(steps) < len(trace.steps):
+        title = f"steps {steps.start} to {steps.stop - 1} of {len(trace.steps)}"
+    table = Table(title=title, title_justify="left")
     for name in ("step", "batch", "tokens", "wait", "run", "swap", "free gpu", "events"):
         table.add_column(name, justify="right" if name in ("step", "tokens") else "left")
-    for step in trace.steps:
+    for step in trace.steps[steps.start : steps.stop]:
         q = step["queues_after"]
-        table.add_row(
+        add_plain_row(
+            table,
             str(step["step"]),
             batch_summary(step),
             str(step["num_batched_tokens"]),
@@ -101,7 +114,7 @@ def _queues_table(step: dict[str, Any]) -> Table:
         table.add_column(name)
     for queue in ("waiting", "running", "swapped"):
         before, after = step["queues_before"][queue], step["queues_after"][queue]
-        table.add_row(queue, _queue_text(before), _queue_text(after))
+        add_plain_row(table, queue, _queue_text(before), _queue_text(after))
     return table
 
 
@@ -113,7 +126,8 @@ def _batch_table(step: dict[str, Any]) -> Table:
         table.add_column(name, justify="right" if name in ("seq", "tokens") else "left")
     for e in step["scheduled"]:
         sampled = step["sampled"].get(str(e["seq_id"]))
-        table.add_row(
+        add_plain_row(
+            table,
             e["request_id"],
             Text(str(e["seq_id"]), style=seq_color(e["seq_id"])),
             "prefill" if e["is_prefill"] else "decode",
@@ -231,12 +245,18 @@ def step_detail(trace: Trace, n: int) -> Group:
     return Group(*parts)
 
 
-def show(trace: Trace, step: int | None = None, console: Console | None = None) -> None:
+def show(
+    trace: Trace,
+    step: int | None = None,
+    console: Console | None = None,
+    steps: range | None = None,
+) -> None:
+    """Step `step` in full, or one row per step (those in `steps`, or all)."""
     console = console or Console()
     if trace.truncated:
-        console.print("[yellow]the trace's last line was cut short (a killed run?)[/yellow]")
+        console.print(Text("the trace's last line was cut short (a killed run?)", style="yellow"))
     if step is None:
-        console.print(overview(trace))
+        console.print(overview(trace, steps))
     else:
-        trace.step(step)  # a clear IndexError for a step the trace lacks
+        trace.step(step)  # a clear error for a step the trace lacks
         console.print(step_detail(trace, step))

@@ -1,4 +1,5 @@
-"""Colours shared by the views: one per sequence, one per lifecycle state."""
+"""Colours and sizes shared by the views: one colour per sequence, one per
+lifecycle state; how block pools are laid out."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ STATE_COLORS = {
     PREEMPTED: "#d62828",
     FINISHED: "#222222",
 }
+
+
+# A block pool is drawn POOL_COLUMNS cells wide (render.py, page.js); above
+# MAX_POOL_CELLS blocks, only those in use are drawn.
+POOL_COLUMNS = 16
+MAX_POOL_CELLS = 1024
 
 
 def seq_color(seq_id: int) -> str:

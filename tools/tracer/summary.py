@@ -15,6 +15,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from tools.tracer.show import add_plain_row
 from tools.tracer.trace import Lifecycle, Trace
 
 _SPARKS = " ▁▂▃▄▅▆▇█"
@@ -67,7 +68,8 @@ def request_table(trace: Trace) -> Table:
     for life in trace.lifecycles().values():
         ttft = ttft_ms(trace, life)
         first = life.first_token_step
-        table.add_row(
+        add_plain_row(
+            table,
             life.request_id,
             str(len(trace.requests[life.request_id]["prompt_token_ids"])),
             str(life.num_output_tokens),
@@ -116,7 +118,7 @@ def totals(trace: Trace) -> Table:
     table.add_column()
     table.add_column()
     for name, value in rows:
-        table.add_row(name, value)
+        add_plain_row(table, name, value)
     return table
 
 

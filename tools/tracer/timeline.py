@@ -7,15 +7,20 @@ ignored without running); a bar marks where it finished. As JSON (Chrome
 trace events, for Perfetto or chrome://tracing): the same spans on a real
 time axis, the steps' measured durations, plus an "engine" track with each
 step's schedule, execute and process phases.
+
+Either shows every step, or a range of them (`--steps A:B`): each request's
+life is worked out over the whole trace, then cut to the range.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+from tools.tracer.errors import TracerError
 from tools.tracer.style import STATE_COLORS
 from tools.tracer.trace import (
     DECODE,
@@ -40,6 +45,28 @@ _LEGEND = {
 }
 
 
+# Rows (requests) in one PNG: each takes a third of an inch, so more make an
+# image taller than any screen, and megapixels matplotlib must hold at once.
+MAX_ROWS = 200
+
+
+def lives_in(trace: Trace, steps: range | None = None) -> list[Lifecycle]:
+    """Each request's life, cut to `steps` (default: all): those that are
+    in the trace in one of them, in arrival order."""
+    steps = range(len(trace.steps)) if steps is None else steps
+    lives = []
+    for life in trace.lifecycles().values():
+        states = [(n, state) for n, state in life.states if n in steps]
+        if not states:
+            continue
+        finished = life.finished if life.finished and life.finished[0] in steps else None
+        preemptions = [(n, mode) for n, mode in life.preemptions if n in steps]
+        lives.append(
+            dataclasses.replace(life, states=states, preemptions=preemptions, finished=finished)
+        )
+    return lives
+
+
 def _spans(life: Lifecycle) -> list[tuple[int, int, str]]:
     """(first step, last step, state) for each run of equal states."""
     spans = []
@@ -49,14 +76,21 @@ def _spans(life: Lifecycle) -> list[tuple[int, int, str]]:
     return spans
 
 
-def timeline_png(trace: Trace, out: str | Path) -> Path:
+def timeline_png(trace: Trace, out: str | Path, steps: range | None = None) -> Path:
     # The figure is drawn off-screen: no GUI backend, no pyplot state.
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    lives = list(trace.lifecycles().values())
-    fig = Figure(figsize=(min(5 + len(trace.steps) * 0.12, 30), max(3.2, 1.2 + 0.35 * len(lives))))
+    steps = range(len(trace.steps)) if steps is None else steps
+    lives = lives_in(trace, steps)
+    if len(lives) > MAX_ROWS:
+        raise TracerError(
+            f"the timeline of steps {steps.start} to {steps.stop - 1} has {len(lives)} requests, "
+            f"more than the {MAX_ROWS} rows one image can show: choose fewer steps with "
+            "--steps A:B, or write -o FILE.json for Perfetto"
+        )
+    fig = Figure(figsize=(min(5 + len(steps) * 0.12, 30), max(3.2, 1.2 + 0.35 * len(lives))))
     ax = fig.add_subplot()
     for row, life in enumerate(lives):
         for first, last, state in _spans(life):
@@ -66,13 +100,16 @@ def timeline_png(trace: Trace, out: str | Path) -> Path:
             ax.plot(life.finished[0] + 1, row, marker="|", color="black", markersize=14)
     ax.set_yticks(range(len(lives)), [life.request_id for life in lives])
     ax.invert_yaxis()  # first arrival on top
-    ax.set_xlim(0, max(len(trace.steps), 1))
+    ax.set_xlim(steps.start, max(steps.stop, steps.start + 1))
     ax.set_xlabel("step")
     ax.set_ylabel("request")
     handles = [Patch(color=STATE_COLORS[s], label=label) for s, label in _LEGEND.items()]
     handles.append(Line2D([], [], color="black", marker="|", linestyle="", label="finished"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
-    ax.set_title(f"{len(lives)} requests over {len(trace.steps)} steps")
+    if len(steps) == len(trace.steps):
+        ax.set_title(f"{len(lives)} requests over {len(trace.steps)} steps")
+    else:
+        ax.set_title(f"{len(lives)} requests, steps {steps.start} to {steps.stop - 1}")
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=110)
@@ -94,18 +131,21 @@ def _label(kind: str, name: str, pid: int, tid: int = 0) -> dict[str, Any]:
     return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
 
 
-def chrome_trace(trace: Trace) -> dict[str, Any]:
-    """The trace as Chrome trace events (microseconds since step 0 began)."""
-    starts, t = [], 0.0
-    for step in trace.steps:
-        starts.append(t)
-        t += trace.step_ms(step) * 1e3
-    ends = starts[1:] + [t]
+def chrome_trace(trace: Trace, steps: range | None = None) -> dict[str, Any]:
+    """The trace, or the range `steps` of it, as Chrome trace events
+    (microseconds since its first step began)."""
+    steps = range(len(trace.steps)) if steps is None else steps
+    starts, ends, t = {}, {}, 0.0
+    for n in steps:
+        starts[n] = t
+        t += trace.step_ms(trace.steps[n]) * 1e3
+        ends[n] = t
     events = [
         _label("process_name", "engine", _ENGINE),
         _label("process_name", "requests", _REQUESTS),
     ]
-    for step, start in zip(trace.steps, starts, strict=True):
+    for n, start in starts.items():
+        step = trace.steps[n]
         args = {"batch_tokens": step["num_batched_tokens"], "free_gpu": step["free_blocks"]["gpu"]}
         dur = trace.step_ms(step) * 1e3
         events.append(_span(_ENGINE, 0, f"step {step['step']}", start, dur, args=args))
@@ -113,7 +153,7 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
             dur = step["timings"][f"{phase}_ms"] * 1e3
             events.append(_span(_ENGINE, 1, phase, start, dur))
             start += dur
-    for tid, life in enumerate(trace.lifecycles().values()):
+    for tid, life in enumerate(lives_in(trace, steps)):
         events.append(_label("thread_name", f"request {life.request_id}", _REQUESTS, tid))
         for first, last, state in _spans(life):
             dur = ends[last] - starts[first]
@@ -127,12 +167,17 @@ def chrome_trace(trace: Trace) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_timeline(trace: Trace, out: str | Path) -> Path:
-    """A .png chart or a .json Chrome trace, by the suffix of `out`."""
+def check_timeline_format(out: str | Path) -> None:
+    if Path(out).suffix not in (".png", ".json"):
+        raise TracerError(f"timeline writes .png or .json, got {out}")
+
+
+def write_timeline(trace: Trace, out: str | Path, steps: range | None = None) -> Path:
+    """A .png chart or a .json Chrome trace, by the suffix of `out`, of every
+    step or those in `steps`."""
+    check_timeline_format(out)
     out = Path(out)
     if out.suffix == ".png":
-        return timeline_png(trace, out)
-    if out.suffix == ".json":
-        out.write_text(json.dumps(chrome_trace(trace)), encoding="utf-8")
-        return out
-    raise ValueError(f"timeline writes .png or .json, got {out}")
+        return timeline_png(trace, out, steps)
+    out.write_text(json.dumps(chrome_trace(trace, steps)), encoding="utf-8")
+    return out

@@ -1,19 +1,27 @@
 """Reading a trace back: `load_trace(path) -> Trace`, and what each request
 went through, step by step (`Trace.lifecycles()`), for the views.
 
-A trace is JSON Lines (format: SCHEMA.md). A run that was killed may have
-left its last line half-written: that line is dropped and `truncated` set,
-every complete step before it is kept.
+A trace is JSON Lines (format: SCHEMA.md), read and checked line by line by
+`schema.read_trace`: a trace that loads is valid, so the views can trust
+every field. A run that was killed may have left its last line
+half-written: that line is dropped and `truncated` set, every complete step
+before it is kept.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+from tools.tracer.errors import NoSuchStep, TracerError
+from tools.tracer.schema import read_trace
+
+# The views that draw every step (show's table, render's page, the
+# timeline) take at most this many at once unless told which: beyond it
+# they get slow to make and to read, and a long run's steps are better seen
+# a range at a time.
+MAX_STEPS_AT_ONCE = 2000
 
 # What a request is doing in a step (the timeline's colours).
 WAITING = "waiting"  # in the waiting queue: not admitted, or preempted by RECOMPUTE
@@ -133,8 +141,12 @@ class Trace:
     def step(self, n: int) -> StepView:
         """Step `n`; in Jupyter it displays as its block diagram."""
         if not 0 <= n < len(self.steps):
-            raise IndexError(f"step {n} is not in this trace (steps 0 to {len(self.steps) - 1})")
+            raise NoSuchStep(f"step {n} is not in this trace ({self.steps_in_words()})")
         return StepView(self, n)
+
+    def steps_in_words(self) -> str:
+        n = len(self.steps)
+        return f"steps 0 to {n - 1}" if n else "it has no steps"
 
     def __repr__(self) -> str:
         # Short and free of timings, so notebooks print the same thing every run.
@@ -163,33 +175,45 @@ class StepView:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a trace file; raises ValueError naming the line that is not one."""
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
-    # A complete file ends with "\n": its last piece is empty. Otherwise the
-    # last line was cut short by a killed run and is dropped.
-    truncated = lines[-1] != ""
-    header, requests, steps = None, {}, []
-    for number, text in enumerate(lines[:-1], start=1):
-        try:
-            line = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
-        kind = line.get("type")
-        if number == 1:
-            if kind != "header":
-                raise ValueError(f"{path}:1: a trace starts with its header line, got {kind!r}")
-            if line.get("schema_version") != SCHEMA_VERSION:
-                raise ValueError(
-                    f"{path}: schema_version {line.get('schema_version')!r}, this tracer reads "
-                    f"version {SCHEMA_VERSION}"
-                )
-            header = line
-        elif kind == "request":
+    """Read and check a trace file; raises TraceError naming the file and
+    the line that is not a valid trace line."""
+    lines, truncated = read_trace(path)
+    header, requests, steps = lines[0], {}, []
+    for line in lines[1:]:
+        if line["type"] == "request":
             requests[line["request_id"]] = line
-        elif kind == "step":
-            steps.append(line)
         else:
-            raise ValueError(f"{path}:{number}: unknown line type {kind!r}")
-    if header is None:
-        raise ValueError(f"{path}: empty trace (no header line)")
+            steps.append(line)
     return Trace(header, requests, steps, truncated)
+
+
+def step_range(trace: Trace, spec: str | None, view: str) -> range:
+    """The steps a view that draws every step draws: those `spec` names
+    ("A:B" is steps A to B-1, as a Python slice; "A:" and ":B" leave an end
+    open), else all of them, unless there are more than MAX_STEPS_AT_ONCE:
+    then the view refuses, saying how to choose."""
+    total = len(trace.steps)
+    if spec is None:
+        if total > MAX_STEPS_AT_ONCE:
+            raise TracerError(
+                f"{view} draws at most {MAX_STEPS_AT_ONCE} steps at once and this trace has "
+                f"{total}: choose them with --steps A:B (steps A to B-1), e.g. --steps "
+                f"0:{MAX_STEPS_AT_ONCE}, or --steps 0:{total} for every one"
+            )
+        return range(total)
+    start, stop = _parse_range(spec)
+    start, stop = start or 0, total if stop is None else min(stop, total)
+    if start >= stop:
+        raise TracerError(f"--steps {spec} names no step of this trace ({trace.steps_in_words()})")
+    return range(start, stop)
+
+
+def _parse_range(spec: str) -> tuple[int | None, int | None]:
+    first, colon, last = spec.partition(":")
+    try:
+        ends = [int(text) if text.strip() else None for text in (first, last)]
+    except ValueError:
+        ends = [-1]
+    if not colon or any(end is not None and end < 0 for end in ends):
+        raise TracerError(f"--steps takes A:B, A: or :B with step numbers A < B, got {spec!r}")
+    return ends[0], ends[1]

@@ -6,7 +6,8 @@ step: the queues before and after, the batch token by token (ids,
 positions, slots), block tables, free blocks, preemptions, block moves,
 sampled tokens, finished requests, prefix-cache counts and phase timings.
 Each line is flushed as it is written, so a run that crashes or is killed
-still leaves every step it finished.
+still leaves every step it finished. Lines are strict JSON: a float that is
+not finite (JSON has no NaN or Infinity) is written as null.
 
 Turn it on with `LLM(..., trace="run.jsonl")`, `engine.start_trace(path)`,
 the environment variable `MINIVLLM_TRACE=run.jsonl`, or `minivllm-trace
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from minivllm.engine.step_observer import StepRecord, queue_request_ids
@@ -37,7 +39,10 @@ class TraceWriter:
     """Writes the header when created, then one line per request and step.
 
     Steps are numbered from 0 by this writer; a request's `arrival_step` is
-    the number of the first step that could schedule it.
+    the number of the first step that could schedule it. A trace started
+    while requests are queued (`engine.start_trace` mid-run) begins with a
+    request line for each, arriving at step 0, so every step it writes
+    names only requests it has described.
     """
 
     def __init__(self, path: str, engine: LLMEngine) -> None:
@@ -49,12 +54,16 @@ class TraceWriter:
         # line holds the step's own queries and hits.
         self._prefix_counts = (bm.prefix_cache_queries, bm.prefix_cache_hits)
         self._write(_header(engine))
+        scheduler = engine.scheduler
+        queued = [*scheduler.waiting, *scheduler.running, *scheduler.swapped]
+        for seq_group in sorted(queued, key=lambda sg: sg.arrival_time):
+            self.on_add_request(engine, seq_group)
 
     def close(self) -> None:
         self._file.close()
 
     def _write(self, line: dict[str, Any]) -> None:
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._file.write(_dumps(line) + "\n")
         self._file.flush()
 
     def on_add_request(self, engine: LLMEngine, seq_group: SequenceGroup) -> None:
@@ -129,6 +138,29 @@ class TraceWriter:
                 "process_ms": record.process_ms,
             },
         }
+
+
+def _dumps(line: dict[str, Any]) -> str:
+    """The line as strict JSON. json.dumps writes NaN, Infinity and -Infinity
+    by default, which are not JSON and which strict readers refuse; such a
+    float (SamplingParams accepts temperature=inf, say) is written as null,
+    as JavaScript's JSON.stringify does. Lines without one, nearly all,
+    are written in a single pass."""
+    try:
+        return json.dumps(line, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(line), separators=(",", ":"), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every float that is not finite replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _header(engine: LLMEngine) -> dict[str, Any]:
