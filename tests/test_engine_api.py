@@ -185,11 +185,11 @@ def test_request_larger_than_the_cache_is_ignored_not_retried(tiny_model_dir):
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
         ({"top_k": 0}, "top_k must be -1 .* got 0"),
         ({"top_k": -2}, "top_k must be -1 .* got -2"),
-        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+        ({"max_tokens": 0}, "max_tokens must be None or an integer >= 1, got 0"),
         ({"n": 0}, "n must be an integer >= 1, got 0"),
         ({"n": 2, "temperature": 0}, "n and best_of must be 1 when sampling greedily"),
         ({"stop_token_ids": [-3]}, r"stop_token_ids must be non-negative integers, got \[-3\]"),
-        ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
+        ({"seed": 1.5}, "seed must be None or a 64-bit integer.*, got 1.5"),
     ],
 )
 def test_sampling_params_reject_bad_values(kwargs, message):
@@ -241,7 +241,7 @@ def test_unknown_engine_argument_is_named():
     ("kwargs", "message"),
     [
         ({"block_size": 12}, "block_size must be a power of two from 1 to 128, got 12"),
-        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
         ({"preemption_mode": "evict"}, "preemption_mode must be None or one of"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
         (
@@ -252,7 +252,7 @@ def test_unknown_engine_argument_is_named():
             {"max_model_len": 64, "max_num_batched_tokens": 32},
             r"max_num_batched_tokens \(32\) is smaller",
         ),
-        ({"dtype": "int8"}, "dtype must be 'auto' or one of"),
+        ({"dtype": "int8"}, "dtype must be 'auto', one of .*, got 'int8'"),
     ],
 )
 def test_bad_engine_arguments(tiny_model_dir, kwargs, message):

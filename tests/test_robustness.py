@@ -276,3 +276,19 @@ def test_cuda_launchers_refuse_a_mismatched_batch_before_launching():
         with pytest.raises(ValueError, match="needs more than the block tables"):
             kernel(torch.empty_like(case.query), case.query, case.kv_cache[0], case.kv_cache[1],
                    case.block_tables, case.seq_lens, case.scale, 10_000)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(sampling_params=5), "sampling_params must be one SamplingParams or a list"),
+        (dict(sampling_params=[SamplingParams()]), "sampling_params has 1 entries but there are 2"),
+        (dict(priority=5), "priority must be a list with one entry per prompt, got 5"),
+        (dict(priority="01"), "priority must be a list with one entry per prompt"),
+    ],
+)
+def test_generate_refuses_per_prompt_arguments_of_the_wrong_shape(kwargs, message, tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), scheduling_policy="priority")
+    with pytest.raises((TypeError, ValueError), match=message):
+        llm.generate([PROMPT_A, PROMPT_B], use_tqdm=False, **kwargs)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -9,13 +9,25 @@ reported where it was given, with its name.
 from __future__ import annotations
 
 import enum
+import math
 import os
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from minivllm.utils import resolve_class
+from minivllm.utils import (
+    MAX_SEED,
+    MIN_SEED,
+    SEED_RANGE_TEXT,
+    WrongTypeError,
+    check_bool,
+    check_float,
+    check_int,
+    resolve_class,
+    show,
+)
 
 _STR_TO_DTYPE = {
     "float32": torch.float32,
@@ -24,6 +36,21 @@ _STR_TO_DTYPE = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# The torch dtypes a model can be built and run in.
+_TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+CPU_KVCACHE_SPACE_ENV = "MINIVLLM_CPU_KVCACHE_SPACE"
+
+
+def _check_path(name: str, value: object) -> str:
+    """A checkpoint or tokenizer location: a string or a path object."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise WrongTypeError(
+            f"{name} must be a checkpoint directory or a Hugging Face hub id (a string or a "
+            f"path), got {show(value)}"
+        )
+    return value
 
 
 @dataclass
@@ -33,6 +60,8 @@ class DeviceConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, str):
+            raise WrongTypeError(f"device must be 'auto', 'cpu' or 'cuda', got {show(self.device)}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
@@ -75,6 +104,29 @@ class ModelConfig:
         # Imported here: the loader imports this module.
         from minivllm.model_executor.weight_utils import resolve_model_path
 
+        # Types first: a bad value is named before any file is read.
+        self.model = _check_path("model", self.model)
+        if self.tokenizer is not None:
+            self.tokenizer = _check_path("tokenizer", self.tokenizer)
+        check_bool("trust_remote_code", self.trust_remote_code)
+        check_bool("dry_run", self.dry_run)
+        self.seed = check_int(
+            "seed",
+            self.seed,
+            low=MIN_SEED,
+            high=MAX_SEED,
+            allowed=f"a {SEED_RANGE_TEXT}",
+        )
+        if self.max_model_len is not None:
+            self.max_model_len = check_int(
+                "max_model_len",
+                self.max_model_len,
+                low=1,
+                allowed="None (the model's context length) or an integer >= 1",
+            )
+        if not isinstance(self.dtype, (str, torch.dtype)):
+            raise WrongTypeError(f"dtype must be {self._dtype_allowed()}, got {show(self.dtype)}")
+
         self.local_path = resolve_model_path(self.model)
         if self.tokenizer is None:
             self.tokenizer = self.local_path
@@ -91,8 +143,17 @@ class ModelConfig:
                 f"{derived}, got {self.max_model_len}"
             )
 
+    @staticmethod
+    def _dtype_allowed() -> str:
+        return (
+            f"'auto', one of {sorted(_STR_TO_DTYPE)} or one of the torch dtypes "
+            f"{', '.join(map(str, _TORCH_DTYPES))}"
+        )
+
     def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
         if isinstance(dtype, torch.dtype):
+            if dtype not in _TORCH_DTYPES:
+                raise ValueError(f"dtype must be {self._dtype_allowed()}, got {dtype}")
             return dtype
         if dtype == "auto":
             if self.device == "cpu":
@@ -104,9 +165,7 @@ class ModelConfig:
                 ckpt = _STR_TO_DTYPE.get(ckpt)
             return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.float16
         if dtype not in _STR_TO_DTYPE:
-            raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(_STR_TO_DTYPE)}, got {dtype!r}"
-            )
+            raise ValueError(f"dtype must be {self._dtype_allowed()}, got {dtype!r}")
         return _STR_TO_DTYPE[dtype]
 
     def derive_max_model_len(self) -> int:
@@ -178,22 +237,36 @@ class CacheConfig:
     num_cpu_blocks: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        allowed = "a power of two from 1 to 128"
+        self.block_size = check_int("block_size", self.block_size, allowed=allowed)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(
-                f"block_size must be a power of two from 1 to 128, got {self.block_size}"
+            raise ValueError(f"block_size must be {allowed}, got {self.block_size}")
+        self.gpu_memory_utilization = check_float(
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            low=0,
+            high=1,
+            low_open=True,
+            allowed="in (0, 1]",
+        )
+        self.swap_space = check_float(
+            "swap_space", self.swap_space, low=0, allowed="a finite number of GiB >= 0"
+        )
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = check_int(
+                "kv_cache_memory_bytes",
+                self.kv_cache_memory_bytes,
+                low=1,
+                allowed="None or a number of bytes > 0 (an integer)",
             )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+        if self.num_gpu_blocks_override is not None:
+            self.num_gpu_blocks_override = check_int(
+                "num_gpu_blocks_override",
+                self.num_gpu_blocks_override,
+                low=1,
+                allowed="None or an integer >= 1",
             )
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
-            )
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
 
 
 class PreemptionMode(enum.Enum):
@@ -237,18 +310,28 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         self.scheduler_cls = resolve_class(self.scheduler_cls, "scheduler_cls")
         self.block_manager_cls = resolve_class(self.block_manager_cls, "block_manager_cls")
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, low=1)
+        if self.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = check_int(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                low=1,
+                allowed="None or an integer >= 1",
+            )
+        self.max_model_len = check_int("max_model_len", self.max_model_len, low=1)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         policies = ("fcfs", "prefill_first", "priority")
-        if self.scheduling_policy not in policies:
-            raise ValueError(
-                f"scheduling_policy must be one of {list(policies)}, got {self.scheduling_policy!r}"
+        if not isinstance(self.scheduling_policy, str) or self.scheduling_policy not in policies:
+            error = ValueError if isinstance(self.scheduling_policy, str) else WrongTypeError
+            raise error(
+                f"scheduling_policy must be one of {list(policies)}, "
+                f"got {show(self.scheduling_policy)}"
             )
         if self.scheduling_policy == "prefill_first" and self.enable_chunked_prefill:
             raise ValueError(
                 "scheduling_policy='prefill_first' cannot chunk prefills (its steps are all "
                 "prefill or all decode): use enable_chunked_prefill=False or the 'fcfs' policy"
             )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is None:
             if self.enable_chunked_prefill:
                 self.max_num_batched_tokens = max(512, self.max_num_seqs)
@@ -267,14 +350,17 @@ class SchedulerConfig:
                 f"max_num_seqs ({self.max_num_seqs}): every running sequence decodes one "
                 "token per step."
             )
+        modes = [m.value for m in PreemptionMode]
         if isinstance(self.preemption_mode, str):
-            allowed = [m.value for m in PreemptionMode]
-            if self.preemption_mode not in allowed:
+            if self.preemption_mode not in modes:
                 raise ValueError(
-                    f"preemption_mode must be None or one of {allowed}, "
-                    f"got {self.preemption_mode!r}"
+                    f"preemption_mode must be None or one of {modes}, got {self.preemption_mode!r}"
                 )
             self.preemption_mode = PreemptionMode(self.preemption_mode)
+        elif not (self.preemption_mode is None or isinstance(self.preemption_mode, PreemptionMode)):
+            raise WrongTypeError(
+                f"preemption_mode must be None or one of {modes}, got {show(self.preemption_mode)}"
+            )
 
 
 @dataclass
@@ -289,4 +375,14 @@ class EngineConfig:
 
 def default_cpu_kv_cache_bytes() -> int:
     """1 GiB unless MINIVLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, like vLLM's CPU backend."""
-    return int(float(os.environ.get("MINIVLLM_CPU_KVCACHE_SPACE", "1")) * (1 << 30))
+    raw = os.environ.get(CPU_KVCACHE_SPACE_ENV, "1")
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise ValueError(
+            f"The environment variable {CPU_KVCACHE_SPACE_ENV} must be a number of GiB > 0 "
+            f"(the CPU KV-cache size), got {raw!r}"
+        )
+    return int(Fraction(gib) * (1 << 30))  # exact: 1e300 GiB overflows a float

@@ -2,7 +2,9 @@
 
 Validated on construction, like vLLM's: a bad value raises `ValueError`
 naming the parameter, the value and what is allowed, before any request
-is queued.
+is queued; a value of the wrong type (a string, None, a bool for a count,
+a float for an integer) raises `WrongTypeError`, a TypeError that is also
+a ValueError. Nothing accepted here can fail later inside a step.
 """
 
 from __future__ import annotations
@@ -10,9 +12,25 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
+from minivllm.utils import (
+    MAX_SEED,
+    MIN_SEED,
+    SEED_RANGE_TEXT,
+    WrongTypeError,
+    check_bool,
+    check_float,
+    check_int,
+    is_int,
+    show,
+)
+
 _SAMPLING_EPS = 1e-5
 # vLLM's default `max_logprobs`: the most top tokens a request may ask for.
 MAX_LOGPROBS = 20
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 class SamplingType(enum.IntEnum):
@@ -79,16 +97,108 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.best_of is None:
-            self.best_of = self.n
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.stop = self._normalize_stop(self.stop)
         self._verify_args()
         self.all_stop_token_ids = set(self.stop_token_ids)
         if self.sampling_type == SamplingType.GREEDY:
             # As in vLLM: the argmax ignores these, and logprobs then
             # describe the distribution before truncation.
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    def _verify_args(self) -> None:
+        """Check every field, and store it in its plain type (an int given
+        for a float field becomes a float, a numpy integer an int).
+
+        Integer fields take integers only (not 2.0, and not True: bool is an
+        int to Python, but logprobs=True is no count); float fields take
+        finite numbers; the flags take bools only (ignore_eos="no" is not
+        False). A wrong type is a WrongTypeError (a TypeError, and a
+        ValueError like every other refusal here).
+        """
+        self.n = check_int("n", self.n, low=1)
+        if self.best_of is None:
+            self.best_of = self.n
+        self.best_of = check_int(
+            "best_of", self.best_of, low=self.n, allowed=f"an integer >= n ({self.n})"
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(
+                self,
+                name,
+                check_float(name, getattr(self, name), low=-2, high=2, allowed="in [-2, 2]"),
+            )
+        # The sampler applies these two to float32 logits: a value float32
+        # cannot hold (1e39 is inf there) turns logits into NaN.
+        self.repetition_penalty = check_float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            low=_FLOAT32_TINY,
+            high=_FLOAT32_MAX,
+            allowed=(
+                f"> 0 (1 disables it) and a normal float32, in [{_FLOAT32_TINY:.4g}, "
+                f"{_FLOAT32_MAX:.4g}], as the sampler applies it to float32 logits"
+            ),
+        )
+        self.temperature = check_float(
+            "temperature",
+            self.temperature,
+            low=0,
+            high=_FLOAT32_MAX,
+            allowed=(
+                f">= 0 (0 means greedy) and at most {_FLOAT32_MAX:.4g} (float32's largest: "
+                "the sampler divides float32 logits by it)"
+            ),
+        )
+        self.top_p = check_float(
+            "top_p", self.top_p, low=0, high=1, low_open=True, allowed="in (0, 1]"
+        )
+        self.top_k = check_int(
+            "top_k", self.top_k, low=-1, allowed="-1 (disable) or an integer >= 1"
+        )
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disable) or an integer >= 1, got 0")
+        self.min_p = check_float("min_p", self.min_p, low=0, high=1, allowed="in [0, 1]")
+        if self.max_tokens is not None:
+            self.max_tokens = check_int(
+                "max_tokens", self.max_tokens, low=1, allowed="None or an integer >= 1"
+            )
+        self.min_tokens = check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(
+                    self,
+                    name,
+                    check_int(
+                        name,
+                        value,
+                        low=0,
+                        high=MAX_LOGPROBS,
+                        allowed=f"None or an integer from 0 to {MAX_LOGPROBS}",
+                    ),
+                )
+        self.stop = self._normalize_stop(self.stop)
+        if "" in self.stop:
+            raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
+        if self.seed is not None:
+            self.seed = check_int(
+                "seed",
+                self.seed,
+                low=MIN_SEED,
+                high=MAX_SEED,
+                allowed=f"None or a {SEED_RANGE_TEXT}",
+            )
+        self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            check_bool(name, getattr(self, name))
+        if self.sampling_type == SamplingType.GREEDY and self.best_of > 1:
+            raise ValueError(
+                "n and best_of must be 1 when sampling greedily (temperature=0), "
+                f"got n={self.n}, best_of={self.best_of}"
+            )
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:
@@ -98,55 +208,25 @@ class SamplingParams:
             return [stop]
         if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
             return list(stop)
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise WrongTypeError(f"stop must be a string or a list of strings, got {show(stop)}")
 
-    def _verify_args(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.best_of, int) or self.best_of < self.n:
-            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(
-                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+    @staticmethod
+    def _normalize_stop_token_ids(ids: list[int] | None) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple, set, frozenset)):
+            raise WrongTypeError(
+                f"stop_token_ids must be a list of non-negative integers, got {show(ids)}"
             )
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1 or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be -1 (disable) or an integer >= 1, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+        wrong_type = [t for t in ids if not is_int(t)]
+        if wrong_type:
+            raise WrongTypeError(
+                f"stop_token_ids must be non-negative integers, got {show(wrong_type)}"
             )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(
-                    f"{name} must be None or an integer from 0 to {MAX_LOGPROBS}, got {value!r}"
-                )
-        if "" in self.stop:
-            raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
-        if bad:
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {bad}")
-        if self.sampling_type == SamplingType.GREEDY and self.best_of > 1:
-            raise ValueError(
-                "n and best_of must be 1 when sampling greedily (temperature=0), "
-                f"got n={self.n}, best_of={self.best_of}"
-            )
+        negative = [int(t) for t in ids if t < 0]
+        if negative:
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {negative}")
+        return [int(t) for t in ids]
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import math
+import numbers
+import os
 
 
 def resolve_obj_by_qualname(qualname: str, option: str) -> type:
@@ -23,3 +26,124 @@ def resolve_class(value: str | type, option: str) -> type:
     if not isinstance(cls, type):
         raise ValueError(f"{option} must be a class or 'package.module.ClassName', got {value!r}")
     return cls
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def gib(num_bytes: int) -> str:
+    """A byte count in GiB for a message, even one too large for a float."""
+    if num_bytes.bit_length() > 1000:
+        return f"2**{num_bytes.bit_length() - 31}"
+    return f"{num_bytes / 2**30:.4g}"
+
+
+# -- argument checks ----------------------------------------------------------
+# SamplingParams, the configs and LLMEngine.add_request refuse a bad value
+# where it is given, before anything is queued. These helpers do the part
+# they share: the type (bool is an int to Python, but True is not a count),
+# finiteness, and a message of the form "<name> must be <allowed>, got <value>".
+
+
+# Seeds (the engine's and a request's) seed a torch.Generator, whose
+# manual_seed takes 64 bits, signed or unsigned; vLLM's seeds are 64-bit too.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+SEED_RANGE_TEXT = "64-bit integer, from -2**63 to 2**64 - 1 (what torch.Generator takes)"
+
+
+class WrongTypeError(TypeError, ValueError):
+    """A value of the wrong type for its field.
+
+    A TypeError, and also a ValueError: vLLM raises ValueError for bad
+    arguments, and minivllm did for some wrong types, so code that catches
+    ValueError still catches these.
+    """
+
+
+def show(value: object) -> str:
+    """repr(value), short enough for an error message (a 5000-digit integer
+    cannot even be printed by default)."""
+    if isinstance(value, int) and abs(value).bit_length() > 128:
+        sign = "-" if value < 0 else ""
+        return f"{sign}an integer of {abs(value).bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def is_int(value: object) -> bool:
+    """An integer, numpy's included; not a bool, not a float like 2.0."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(
+    name: str,
+    value: object,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    allowed: str | None = None,
+) -> int:
+    """`value` as a plain int if it is an integer in [low, high] (None: no
+    bound); else a WrongTypeError (not an integer) or a ValueError (out of
+    range), both saying "<name> must be <allowed>, got <value>"."""
+    if allowed is None:
+        allowed = "an integer" + _range_text(low, high)
+    if not is_int(value):
+        raise WrongTypeError(f"{name} must be {allowed}, got {show(value)}")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}, got {show(value)}")
+    return value
+
+
+def check_float(
+    name: str,
+    value: object,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    allowed: str | None = None,
+) -> float:
+    """`value` as a float if it is a finite real number (an int will do, a
+    bool or a string will not) in [low, high], or (low, high] with
+    `low_open`; else a WrongTypeError or a ValueError naming `name`."""
+    if allowed is None:
+        allowed = "a finite number" + _range_text(low, high, low_open)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise WrongTypeError(f"{name} must be {allowed}, got {show(value)}")
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int too large for a float
+        raise ValueError(f"{name} must be {allowed}, got {show(value)}") from None
+    too_low = low is not None and (as_float <= low if low_open else as_float < low)
+    too_high = high is not None and as_float > high
+    if not math.isfinite(as_float) or too_low or too_high:
+        raise ValueError(f"{name} must be {allowed}, got {show(value)}")
+    return as_float
+
+
+def check_bool(name: str, value: object, allowed: str = "True or False") -> bool:
+    """`value` if it is a bool: "no", None or 1 are not (a string is always
+    true, which is how ignore_eos="no" used to mean yes)."""
+    if not isinstance(value, bool):
+        raise WrongTypeError(f"{name} must be {allowed}, got {show(value)}")
+    return value
+
+
+def _range_text(low, high, low_open: bool = False) -> str:
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low}, {high}]"
+    if low is not None:
+        return f" {'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f" <= {high}"
+    return ""

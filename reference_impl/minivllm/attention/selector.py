@@ -31,6 +31,7 @@ import torch
 
 from minivllm import _custom_ops as ops
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from minivllm.utils import WrongTypeError, show
 
 ATTENTION_BACKENDS = ("torch", "numba", "cuda")
 ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
@@ -69,10 +70,11 @@ def select_attention_backend(
         return requested
     if requested is None:
         requested = os.environ.get(ENV_VAR, "auto")
-    if requested not in (*ATTENTION_BACKENDS, "auto"):
-        raise ValueError(
-            f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto', got {requested!r} "
-            f"(from the argument or ${ENV_VAR})"
+    if not isinstance(requested, str) or requested not in (*ATTENTION_BACKENDS, "auto"):
+        error = ValueError if isinstance(requested, str) else WrongTypeError
+        raise error(
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, 'auto', a class or None, "
+            f"got {show(requested)} (from the argument or ${ENV_VAR})"
         )
     if requested == "auto":
         if device == "cuda":

@@ -18,6 +18,7 @@ from minivllm.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from minivllm.utils import check_bool, check_int
 
 
 @dataclass
@@ -73,11 +74,18 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size must be 1 (minivllm runs on one device), "
-                f"got {self.tensor_parallel_size}"
-            )
+        """The configs; each checks its own options (types, ranges) when made,
+        and the options that have no config are checked here."""
+        check_int(
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            low=1,
+            high=1,
+            allowed="1 (minivllm runs on one device)",
+        )
+        # Both values run the same (eagerly): vLLM code that sets it runs unchanged.
+        check_bool("enforce_eager", self.enforce_eager)
+        check_bool("disable_log_stats", self.disable_log_stats)
         device_config = DeviceConfig(self.device)
         model_config = ModelConfig(
             # No model named: the small story model that ships in the package,

@@ -30,7 +30,10 @@ import copy
 import itertools
 import os
 import time
+from collections.abc import Iterable
 
+import numpy as np
+import torch
 from transformers import GenerationConfig
 
 from minivllm.config import EngineConfig
@@ -53,6 +56,7 @@ from minivllm.sequence import (
 )
 from minivllm.transformers_utils.detokenizer import Detokenizer
 from minivllm.transformers_utils.tokenizer import get_tokenizer
+from minivllm.utils import WrongTypeError, check_float, check_int, is_int, show
 from minivllm.worker.dry_run_worker import DryRunWorker
 from minivllm.worker.model_runner import FlatBatch
 from minivllm.worker.worker import Worker
@@ -145,18 +149,74 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Queue a request. `prompt` is a string, or {"prompt_token_ids": [...]}
-        (optionally with "prompt", its text). `priority` (lower first) needs
-        scheduling_policy="priority"."""
+        (optionally with "prompt", its text), or {"prompt": text}. `priority`
+        (lower first) needs scheduling_policy="priority".
+
+        Everything is checked before anything is queued, as vLLM checks its
+        inputs: a refused request (ValueError, or a TypeError for a wrong
+        type) leaves the engine as it was, and an accepted one cannot fail
+        inside a later step.
+        """
         self._check_alive()
+        prompt_text, prompt_token_ids = self._validate_request(
+            request_id, prompt, params, arrival_time, priority
+        )
+        priority = int(priority)
+        # The request's own copy, to which the engine adds its EOS ids: the
+        # sampler bans them, like the stop tokens, before min_tokens.
+        params = copy.deepcopy(params)
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.stop_checker.eos_token_ids
+        # One sequence for the prompt; it forks into best_of after its prefill.
+        seqs = [
+            Sequence(
+                next(self.seq_counter), prompt_text, prompt_token_ids, self.cache_config.block_size
+            )
+        ]
+        arrival_time = time.time() if arrival_time is None else float(arrival_time)
+        seq_group = SequenceGroup(request_id, seqs, params, arrival_time, priority)
+        # Observers first: if one raises, the request is not queued.
+        for observer in self.step_observers:
+            observer.on_add_request(self, seq_group)
+        self.scheduler.add_seq_group(seq_group)
+        self._live_request_ids.add(request_id)
+
+    def _validate_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None,
+        priority: int,
+    ) -> tuple[str | None, list[int]]:
+        """Every check of add_request (vLLM's `_validate_model_inputs` and
+        more); returns the prompt's text (if any) and token ids."""
+        if not isinstance(request_id, str):
+            raise WrongTypeError(f"request_id must be a string, got {show(request_id)}")
+        if not isinstance(params, SamplingParams):
+            raise WrongTypeError(
+                f"Request {request_id!r}: params must be a SamplingParams, got {show(params)}"
+            )
+        priority = check_int(
+            f"priority of request {request_id!r}",
+            priority,
+            allowed="an integer (lower values run first)",
+        )
         if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
             raise ValueError(
                 f"Request {request_id!r}: priority={priority} needs scheduling_policy='priority'"
+            )
+        if arrival_time is not None:
+            check_float(
+                f"arrival_time of request {request_id!r}",
+                arrival_time,
+                allowed="None (now) or a finite number of seconds, like time.time()",
             )
         if request_id in self._live_request_ids:
             raise ValueError(
                 f"Request id {request_id!r} is already in use by an unfinished request"
             )
-        prompt_text, prompt_token_ids = self._process_prompt(prompt)
+        prompt_text, prompt_token_ids = self._process_prompt(prompt, request_id)
         if not prompt_token_ids:
             raise ValueError(f"Request {request_id!r}: the prompt is empty (0 tokens)")
         max_len = self.model_config.max_model_len
@@ -172,6 +232,26 @@ class LLMEngine:
                 f"Request {request_id!r}: prompt token ids {bad[:5]} are outside the "
                 f"vocabulary [0, {vocab})"
             )
+        # The sampler indexes the logits with them (they are banned before
+        # min_tokens): an id past the vocabulary would fail inside a step.
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"Request {request_id!r}: stop_token_ids {bad[:5]} are outside the "
+                f"vocabulary [0, {vocab})"
+            )
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.stop_checker.eos_token_ids
+        bans_stops = params.min_tokens > 0 or self.model_config.dry_run
+        if bans_stops and len(stops) >= vocab and stops >= set(range(vocab)):
+            # The sampler bans them before min_tokens (the dry run always):
+            # nothing would be left to draw.
+            raise ValueError(
+                f"Request {request_id!r}: stop_token_ids and EOS cover the whole vocabulary "
+                f"({vocab} tokens), so no token could be sampled before min_tokens="
+                f"{params.min_tokens}"
+            )
         max_num_seqs = self.scheduler_config.max_num_seqs
         if params.best_of > max_num_seqs:
             raise ValueError(
@@ -185,36 +265,50 @@ class LLMEngine:
                 f"Request {request_id!r}: prompt_logprobs={params.prompt_logprobs} needs "
                 "enable_prefix_caching=False"
             )
-        # The request's own copy, to which the engine adds its EOS ids: the
-        # sampler bans them, like the stop tokens, before min_tokens.
-        params = copy.deepcopy(params)
-        if not params.ignore_eos:
-            params.all_stop_token_ids |= self.stop_checker.eos_token_ids
-        # One sequence for the prompt; it forks into best_of after its prefill.
-        seqs = [
-            Sequence(
-                next(self.seq_counter), prompt_text, prompt_token_ids, self.cache_config.block_size
-            )
-        ]
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        seq_group = SequenceGroup(request_id, seqs, params, arrival_time, priority)
-        # Observers first: if one raises, the request is not queued.
-        for observer in self.step_observers:
-            observer.on_add_request(self, seq_group)
-        self.scheduler.add_seq_group(seq_group)
-        self._live_request_ids.add(request_id)
+        return prompt_text, prompt_token_ids
 
-    def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _process_prompt(
+        self, prompt: PromptType, request_id: str = ""
+    ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt in one of its accepted forms;
+        the ids are checked to be integers (numpy's too, not bools)."""
+        forms = (
+            "a string, {'prompt_token_ids': [...]} (with an optional 'prompt') or {'prompt': str}"
+        )
+        where = f"Request {request_id!r}: "
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError(
-            "prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), "
-            f"got {type(prompt).__name__}"
-        )
+        if not isinstance(prompt, dict):
+            raise WrongTypeError(f"{where}prompt must be {forms}, got {show(prompt)}")
+        unknown = sorted(map(str, set(prompt) - {"prompt_token_ids", "prompt"}))
+        if unknown:
+            raise ValueError(f"{where}prompt dict has unknown keys {unknown}: it must be {forms}")
+        text = prompt.get("prompt")
+        if not (text is None or isinstance(text, str)):
+            raise WrongTypeError(f"{where}the prompt's 'prompt' must be a string, got {show(text)}")
+        if "prompt_token_ids" not in prompt:
+            if text is None:
+                raise ValueError(f"{where}prompt must be {forms}, got {show(prompt)}")
+            return text, self.tokenizer.encode(text)
+        return text, self._check_token_ids(prompt["prompt_token_ids"], where)
+
+    @staticmethod
+    def _check_token_ids(ids: object, where: str) -> list[int]:
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
+            ids = ids.tolist()  # plain ints, or floats / bools / lists to refuse below
+        if isinstance(ids, (str, bytes, dict, set, frozenset)) or not isinstance(ids, Iterable):
+            raise WrongTypeError(
+                f"{where}prompt_token_ids must be a list of integers, got {show(ids)}"
+            )
+        ids = list(ids)
+        bad = [(i, t) for i, t in enumerate(ids) if not is_int(t)]
+        if bad:
+            i, t = bad[0]
+            raise WrongTypeError(
+                f"{where}prompt_token_ids must be integers (token ids), got {show(t)} at "
+                f"position {i}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+            )
+        return [int(t) for t in ids]
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Finish requests as aborted now, freeing their blocks; their final

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -11,6 +12,7 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils import WrongTypeError, show
 
 
 class LLM:
@@ -23,6 +25,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, trace: str | None = None, **kwargs) -> None:
+        if not (trace is None or isinstance(trace, (str, os.PathLike))):
+            # open(3) would write the trace into file descriptor 3.
+            raise WrongTypeError(f"trace must be None or a file path, got {show(trace)}")
         engine_args = EngineArgs.from_kwargs("LLM()", model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args, trace=trace)
         self.request_counter = itertools.count()
@@ -51,17 +56,14 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries but there are "
-                    f"{len(prompt_list)} prompts: pass one SamplingParams or one per prompt"
-                )
-        priorities = [0] * len(prompt_list) if priority is None else list(priority)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(
-                f"priority has {len(priorities)} entries but there are {len(prompt_list)} prompts"
+            params_list = _one_per_prompt(
+                "sampling_params", sampling_params, len(prompt_list), "one SamplingParams or "
             )
+        priorities = (
+            [0] * len(prompt_list)
+            if priority is None
+            else _one_per_prompt("priority", priority, len(prompt_list))
+        )
         request_ids = []
         try:
             for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
@@ -77,13 +79,18 @@ class LLM:
 
     @staticmethod
     def _normalize_prompts(prompts) -> list[PromptType]:
+        """A list of prompts; a list (or tuple) in it is token ids, which
+        add_request checks (numpy integers are integers too)."""
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        prompt_list = []
-        for p in prompts:
-            is_ids = isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p)
-            prompt_list.append({"prompt_token_ids": list(p)} if is_ids else p)
-        return prompt_list
+        if not isinstance(prompts, Iterable):
+            raise WrongTypeError(
+                "prompts must be a string, a prompt dict, or a list of strings, dicts or "
+                f"token-id lists, got {show(prompts)}"
+            )
+        return [
+            {"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) else p for p in prompts
+        ]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -94,3 +101,19 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[rid] for rid in request_ids]
+
+
+def _one_per_prompt(name: str, values, num_prompts: int, single: str = "") -> list:
+    """`values` as a list of one entry per prompt (each entry is checked
+    where it is used, by add_request). `single` names the other form
+    accepted, for the error message."""
+    allowed = f"{single}a list with one entry per prompt"
+    if isinstance(values, (str, dict)) or not isinstance(values, Iterable):
+        raise WrongTypeError(f"{name} must be {allowed}, got {show(values)}")
+    values = list(values)
+    if len(values) != num_prompts:
+        raise ValueError(
+            f"{name} has {len(values)} entries but there are {num_prompts} prompts: "
+            f"pass {allowed}"
+        )
+    return values

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import safe_open
 from torch import nn
 
@@ -49,9 +50,14 @@ def safetensors_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]
     if not files:
         raise FileNotFoundError(f"No *.safetensors weight files in {path!r}")
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    yield name, tensor
+        except (SafetensorError, OSError) as e:
+            # A truncated or corrupt file: say which one.
+            raise ValueError(f"Could not read the weights file {file!r}: {e}") from e
 
 
 def load_named_weights(

@@ -32,9 +32,13 @@ from minivllm.sequence import (
     SequenceGroupMetadata,
     SequenceOutput,
 )
+from minivllm.utils import gib, host_memory_bytes, show
 from minivllm.worker.worker import Worker
 
 _MASK64 = (1 << 64) - 1
+# A free block number in the block manager's list: an 8-byte slot and a
+# 28-byte int object, rounded up.
+_BYTES_PER_FREE_BLOCK = 40
 
 
 def _mix64(x: int) -> int:
@@ -81,6 +85,22 @@ class DryRunWorker(Worker):
 
     def load_model(self) -> None:
         """No weights: that is the point."""
+
+    def check_pools_fit(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, block_bytes: int, source: str
+    ) -> None:
+        """No cache is allocated, so a dry run may model a GPU larger than
+        this machine. Its block manager still lists every free block number
+        (about _BYTES_PER_FREE_BLOCK bytes each): that list must fit."""
+        host = host_memory_bytes()
+        needed = (num_gpu_blocks + num_cpu_blocks) * _BYTES_PER_FREE_BLOCK
+        if host is not None and needed > host:
+            raise ValueError(
+                f"{source} and swap_space={self.cache_config.swap_space} GiB make "
+                f"{show(num_gpu_blocks)} + {show(num_cpu_blocks)} blocks, whose free lists alone "
+                f"({gib(needed)} GiB) do not fit the {gib(host)} GiB of this machine's memory, "
+                "even in a dry run"
+            )
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_gpu_blocks

@@ -6,9 +6,12 @@ copy-on-write), then runs the model on the scheduled batch.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 
 from minivllm.config import (
+    CPU_KVCACHE_SPACE_ENV,
     CacheConfig,
     DeviceConfig,
     ModelConfig,
@@ -16,6 +19,7 @@ from minivllm.config import (
 )
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.sequence import SequenceGroupMetadata
+from minivllm.utils import gib, host_memory_bytes, show
 from minivllm.worker.cache_engine import CacheEngine
 from minivllm.worker.model_runner import ModelRunner
 
@@ -39,23 +43,56 @@ class Worker:
         block_bytes = CacheEngine.get_cache_block_size(cfg.block_size, self.model_config)
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
+            source = f"kv_cache_memory_bytes={show(budget)}"
         elif self.device.type == "cuda":
             # What is left of the allowed fraction after the weights; the
             # activations of one step are small next to the cache here.
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * cfg.gpu_memory_utilization) - (total - free)
+            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
         else:
             budget = default_cpu_kv_cache_bytes()
+            source = f"the CPU budget (${CPU_KVCACHE_SPACE_ENV}, default 1 GiB)"
         num_gpu_blocks = budget // block_bytes
         if cfg.num_gpu_blocks_override is not None:
             num_gpu_blocks = cfg.num_gpu_blocks_override
+            source = f"num_gpu_blocks_override={num_gpu_blocks}"
         if num_gpu_blocks < 1:
             raise ValueError(
-                f"The KV-cache budget of {budget} bytes holds no block of {block_bytes} bytes; "
-                "raise kv_cache_memory_bytes / gpu_memory_utilization or lower block_size."
+                f"The KV-cache budget of {budget} bytes ({source}) holds no block of "
+                f"{block_bytes} bytes; raise kv_cache_memory_bytes / gpu_memory_utilization "
+                "or lower block_size."
             )
-        num_cpu_blocks = int(cfg.swap_space * (1 << 30)) // block_bytes
+        # Exact: swap_space * 2**30 overflows a float from about 1.7e299 GiB.
+        num_cpu_blocks = int(Fraction(cfg.swap_space) * (1 << 30)) // block_bytes
+        self.check_pools_fit(num_gpu_blocks, num_cpu_blocks, block_bytes, source)
         return num_gpu_blocks, num_cpu_blocks
+
+    def check_pools_fit(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, block_bytes: int, source: str
+    ) -> None:
+        """Refuse, naming the option, a pool larger than the memory it would
+        live in: torch would fail to allocate it, or the cache could never
+        be filled. (How much is actually free is not checked: a pool is
+        allocated untouched, and fills as requests arrive.)"""
+        host = host_memory_bytes()
+        if self.device.type == "cuda":
+            device_total, where = torch.cuda.mem_get_info(self.device)[1], "GPU"
+        else:
+            device_total, where = host, "this machine's"
+        pool = num_gpu_blocks * block_bytes
+        if device_total is not None and pool > device_total:
+            raise ValueError(
+                f"{source} asks for a KV cache of {show(num_gpu_blocks)} blocks of {block_bytes} "
+                f"bytes ({gib(pool)} GiB), more than the {gib(device_total)} GiB of "
+                f"{where} memory"
+            )
+        swap = num_cpu_blocks * block_bytes
+        if host is not None and swap > host:
+            raise ValueError(
+                f"swap_space={self.cache_config.swap_space} GiB is more than the "
+                f"{gib(host)} GiB of this machine's memory (0 disables swapping)"
+            )
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_gpu_blocks
