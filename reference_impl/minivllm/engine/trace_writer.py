@@ -143,7 +143,7 @@ class TraceWriter:
 def _dumps(line: dict[str, Any]) -> str:
     """The line as strict JSON. json.dumps writes NaN, Infinity and -Infinity
     by default, which are not JSON and which strict readers refuse; such a
-    float (SamplingParams accepts temperature=inf, say) is written as null,
+    float (none is written today; a logprob of -inf could be) is written as null,
     as JavaScript's JSON.stringify does. Lines without one, nearly all,
     are written in a single pass."""
     try:
