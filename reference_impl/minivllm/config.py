@@ -18,13 +18,11 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from minivllm.utils import (
-    MAX_SEED,
-    MIN_SEED,
-    SEED_RANGE_TEXT,
     WrongTypeError,
     check_bool,
     check_float,
     check_int,
+    check_seed,
     resolve_class,
     show,
 )
@@ -110,13 +108,7 @@ class ModelConfig:
             self.tokenizer = _check_path("tokenizer", self.tokenizer)
         check_bool("trust_remote_code", self.trust_remote_code)
         check_bool("dry_run", self.dry_run)
-        self.seed = check_int(
-            "seed",
-            self.seed,
-            low=MIN_SEED,
-            high=MAX_SEED,
-            allowed=f"a {SEED_RANGE_TEXT}",
-        )
+        self.seed = check_seed(self.seed)
         if self.max_model_len is not None:
             self.max_model_len = check_int(
                 "max_model_len",

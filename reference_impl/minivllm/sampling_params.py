@@ -15,13 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.utils import (
-    MAX_SEED,
-    MIN_SEED,
-    SEED_RANGE_TEXT,
     WrongTypeError,
     check_bool,
     check_float,
     check_int,
+    check_seed,
     is_int,
     show,
 )
@@ -184,13 +182,7 @@ class SamplingParams:
         if "" in self.stop:
             raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
         if self.seed is not None:
-            self.seed = check_int(
-                "seed",
-                self.seed,
-                low=MIN_SEED,
-                high=MAX_SEED,
-                allowed=f"None or a {SEED_RANGE_TEXT}",
-            )
+            self.seed = check_seed(self.seed, allowed_prefix="None or ")
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             check_bool(name, getattr(self, name))

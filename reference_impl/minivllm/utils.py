@@ -50,10 +50,6 @@ def gib(num_bytes: int) -> str:
 # finiteness, and a message of the form "<name> must be <allowed>, got <value>".
 
 
-# Seeds (the engine's and a request's) seed a torch.Generator, whose
-# manual_seed takes 64 bits, signed or unsigned; vLLM's seeds are 64-bit too.
-MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
-SEED_RANGE_TEXT = "64-bit integer, from -2**63 to 2**64 - 1 (what torch.Generator takes)"
 
 
 class WrongTypeError(TypeError, ValueError):
@@ -129,6 +125,15 @@ def check_float(
     if not math.isfinite(as_float) or too_low or too_high:
         raise ValueError(f"{name} must be {allowed}, got {show(value)}")
     return as_float
+
+
+def check_seed(value: object, allowed_prefix: str = "") -> int:
+    """A seed (the engine's or a request's): it seeds a torch.Generator,
+    whose manual_seed takes 64 bits, signed or unsigned, as vLLM's seeds."""
+    allowed = (
+        f"{allowed_prefix}a 64-bit integer, from -2**63 to 2**64 - 1 (what torch.Generator takes)"
+    )
+    return check_int("seed", value, low=-(2**63), high=2**64 - 1, allowed=allowed)
 
 
 def check_bool(name: str, value: object, allowed: str = "True or False") -> bool:
