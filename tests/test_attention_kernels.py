@@ -27,7 +27,7 @@ from minivllm.attention.backends.numba_paged import NumbaPagedAttention
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.attention.layer import Attention
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
-from minivllm.attention.selector import ENV_VAR, select_attention_backend
+from minivllm.attention.selector import select_attention_backend
 from tests import nvrtc
 from tests.kernel_cases import lengths_around_blocks, make_decode_case
 
@@ -185,18 +185,18 @@ def test_engine_numba_backend_matches_torch(tiny_model_dir):
 
 
 def test_default_backend_on_cpu_is_the_numba_kernel(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("MINIVLLM_ATTENTION_BACKEND", raising=False)
     assert select_attention_backend(None, "cpu", torch.float32, 64, 16) == "numba"
     # Numba has no bfloat16: the reference serves it.
     assert select_attention_backend(None, "cpu", torch.bfloat16, 64, 16) == "torch"
 
 
 def test_backend_from_environment(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "torch")
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "torch")
     assert select_attention_backend(None, "cpu", torch.float32, 64, 16) == "torch"
     # An explicit argument wins over the environment.
     assert select_attention_backend("numba", "cpu", torch.float32, 64, 16) == "numba"
-    monkeypatch.setenv(ENV_VAR, "flash")
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match=r"attention_backend must be one of .*'flash'"):
         select_attention_backend(None, "cpu", torch.float32, 64, 16)
 

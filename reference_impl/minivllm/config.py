@@ -17,6 +17,7 @@ from fractions import Fraction
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from minivllm import envs
 from minivllm.utils import (
     WrongTypeError,
     check_bool,
@@ -36,7 +37,6 @@ _STR_TO_DTYPE = {
 }
 # The torch dtypes a model can be built and run in.
 _TORCH_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-CPU_KVCACHE_SPACE_ENV = "MINIVLLM_CPU_KVCACHE_SPACE"
 
 
 def _check_path(name: str, value: object) -> str:
@@ -90,7 +90,7 @@ class ModelConfig:
     dtype: str | torch.dtype = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    device: str = "cpu"
+    device: str = DeviceConfig.device
     dry_run: bool = False
     # The attention implementation, resolved by EngineArgs once the block
     # size is known (attention/selector.py); the reference if built directly.
@@ -108,6 +108,7 @@ class ModelConfig:
             self.tokenizer = _check_path("tokenizer", self.tokenizer)
         check_bool("trust_remote_code", self.trust_remote_code)
         check_bool("dry_run", self.dry_run)
+        self.device = DeviceConfig(self.device).device  # "auto" resolved as the engine does
         self.seed = check_seed(self.seed)
         if self.max_model_len is not None:
             self.max_model_len = check_int(
@@ -367,14 +368,14 @@ class EngineConfig:
 
 def default_cpu_kv_cache_bytes() -> int:
     """1 GiB unless MINIVLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, like vLLM's CPU backend."""
-    raw = os.environ.get(CPU_KVCACHE_SPACE_ENV, "1")
+    raw = envs.MINIVLLM_CPU_KVCACHE_SPACE or "1"
     try:
         gib = float(raw)
     except ValueError:
         gib = math.nan
     if not (math.isfinite(gib) and gib > 0):
         raise ValueError(
-            f"The environment variable {CPU_KVCACHE_SPACE_ENV} must be a number of GiB > 0 "
+            "The environment variable MINIVLLM_CPU_KVCACHE_SPACE must be a number of GiB > 0 "
             f"(the CPU KV-cache size), got {raw!r}"
         )
     return int(Fraction(gib) * (1 << 30))  # exact: 1e300 GiB overflows a float

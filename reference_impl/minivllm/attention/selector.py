@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 
 import torch
 
 from minivllm import _custom_ops as ops
+from minivllm import envs
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.utils import WrongTypeError, show
 
 ATTENTION_BACKENDS = ("torch", "numba", "cuda")
-ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
 
 _current_backend: ContextVar[str | type] = ContextVar("attention_backend", default="torch")
 
@@ -69,12 +68,12 @@ def select_attention_backend(
     if isinstance(requested, type):
         return requested
     if requested is None:
-        requested = os.environ.get(ENV_VAR, "auto")
+        requested = envs.MINIVLLM_ATTENTION_BACKEND or "auto"
     if not isinstance(requested, str) or requested not in (*ATTENTION_BACKENDS, "auto"):
         error = ValueError if isinstance(requested, str) else WrongTypeError
         raise error(
             f"attention_backend must be one of {ATTENTION_BACKENDS}, 'auto', a class or None, "
-            f"got {show(requested)} (from the argument or ${ENV_VAR})"
+            f"got {show(requested)} (from the argument or $MINIVLLM_ATTENTION_BACKEND)"
         )
     if requested == "auto":
         if device == "cuda":

@@ -6,8 +6,10 @@ option is spelled, defaulted and validated in one place.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from minivllm.assets import DEFAULT_MODEL
 from minivllm.attention.selector import select_attention_backend
@@ -20,46 +22,133 @@ from minivllm.config import (
 )
 from minivllm.utils import check_bool, check_int
 
+# The command-line type of each option's annotation (classes come by name).
+_CLI_TYPES = {
+    "str": str,
+    "str | None": str,
+    "int": int,
+    "int | None": int,
+    "float": float,
+    "str | type": str,
+    "str | type | None": str,
+}
+
+
+def _option(default, help: str, **cli) -> Any:
+    """One engine option: its default (taken from the config class that owns
+    it, so it is written once) and its help, which `add_cli_args` shows.
+    `cli` holds extra argparse settings (choices, metavar)."""
+    return field(default=default, metadata={"help": help, **cli})
+
 
 @dataclass
 class EngineArgs:
-    model: str | None = None
-    tokenizer: str | None = None
-    trust_remote_code: bool = False
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    device: str = "auto"
-    # No model: pseudo-random tokens through the real scheduler, for tracing
-    # and timing scheduling alone (worker/dry_run_worker.py).
-    dry_run: bool = False
-    # "torch" | "numba" | "cuda", or an implementation class (like
-    # TorchPagedAttention); None: $MINIVLLM_ATTENTION_BACKEND, else "auto"
-    # (attention/selector.py).
-    attention_backend: str | type | None = None
+    """Every engine option, by vLLM's name: `LLM(**kwargs)`, `LLMEngine` and
+    (through `add_cli_args`) any command line take exactly these."""
+
+    model: str | None = _option(
+        None, "checkpoint directory or hub id (default: the shipped story model)"
+    )
+    tokenizer: str | None = _option(ModelConfig.tokenizer, "tokenizer location (default: model)")
+    trust_remote_code: bool = _option(
+        ModelConfig.trust_remote_code, "run the checkpoint's own modelling code"
+    )
+    dtype: str = _option(
+        ModelConfig.dtype,
+        "weights and activations ('auto': float32 on a CPU, the checkpoint's on a GPU)",
+        choices=["auto", "float32", "float", "float16", "half", "bfloat16"],
+    )
+    seed: int = _option(ModelConfig.seed, "seed of the sampler's shared generator")
+    max_model_len: int | None = _option(
+        ModelConfig.max_model_len, "longest sequence (default: the model's context length)"
+    )
+    device: str = _option(DeviceConfig.device, "where to run", choices=["auto", "cpu", "cuda"])
+    dry_run: bool = _option(
+        ModelConfig.dry_run,
+        "no weights: pseudo-random tokens through the real scheduler (worker/dry_run_worker.py)",
+    )
+    attention_backend: str | type | None = _option(
+        None,
+        "torch, numba, cuda or auto, or an implementation class (default: "
+        "$MINIVLLM_ATTENTION_BACKEND, else auto; attention/selector.py)",
+    )
     # KV cache
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    swap_space: float = 4.0
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = False
+    block_size: int = _option(CacheConfig.block_size, "tokens per KV-cache block")
+    gpu_memory_utilization: float = _option(
+        CacheConfig.gpu_memory_utilization, "fraction of GPU memory for weights and KV cache"
+    )
+    kv_cache_memory_bytes: int | None = _option(
+        CacheConfig.kv_cache_memory_bytes,
+        "KV-cache size in bytes (default: $MINIVLLM_CPU_KVCACHE_SPACE GiB on a CPU, "
+        "gpu_memory_utilization on a GPU)",
+    )
+    swap_space: float = _option(CacheConfig.swap_space, "CPU swap pool for SWAP preemption, GiB")
+    num_gpu_blocks_override: int | None = _option(
+        CacheConfig.num_gpu_blocks_override, "device blocks, whatever the memory budget"
+    )
+    enable_prefix_caching: bool = _option(
+        CacheConfig.enable_prefix_caching, "share the KV blocks of common prompt prefixes"
+    )
     # Scheduler
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    preemption_mode: str | None = None
-    enable_chunked_prefill: bool = False
-    scheduling_policy: str = "fcfs"
+    max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "most sequences in one step")
+    max_num_batched_tokens: int | None = _option(
+        SchedulerConfig.max_num_batched_tokens,
+        "most tokens in one step (default: 512 with chunked prefill, else max(max_model_len, "
+        "2048))",
+    )
+    preemption_mode: str | None = _option(
+        SchedulerConfig.preemption_mode,
+        "how to preempt (default: recompute one sequence, swap several)",
+        choices=["recompute", "swap"],
+    )
+    enable_chunked_prefill: bool = _option(
+        SchedulerConfig.enable_chunked_prefill, "split long prompts across steps"
+    )
+    scheduling_policy: str = _option(
+        SchedulerConfig.scheduling_policy,
+        "queue order and batches (core/scheduler.py)",
+        choices=["fcfs", "prefill_first", "priority"],
+    )
     # A learner's (or any) replacement component: a class or "module.Class".
-    scheduler_cls: str | type = "minivllm.core.scheduler.Scheduler"
-    block_manager_cls: str | type = "minivllm.core.block_manager.BlockSpaceManager"
-    # Off by default, as in vLLM's `LLM`: the periodic throughput log line.
-    # `LLMEngine.get_stats()` works either way.
-    disable_log_stats: bool = True
+    scheduler_cls: str | type = _option(
+        SchedulerConfig.scheduler_cls, "the scheduler class, as 'package.module.Class'"
+    )
+    block_manager_cls: str | type = _option(
+        SchedulerConfig.block_manager_cls, "the block manager class, as 'package.module.Class'"
+    )
+    # Off by default, as in vLLM's `LLM`: `LLMEngine.get_stats()` works either way.
+    disable_log_stats: bool = _option(True, "no periodic throughput log line")
     # Accepted so vLLM code runs unchanged; only their single-device,
     # eager values are possible here.
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = True
+    tensor_parallel_size: int = _option(1, "devices to shard the model over (1 only, for now)")
+    enforce_eager: bool = _option(True, "accepted for vLLM's sake; minivllm always runs eagerly")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """A flag for every option (`--block-size 8`, `--enable-prefix-caching`,
+        `--no-disable-log-stats`), with its default and help, as vLLM's
+        `EngineArgs.add_cli_args`; `from_cli_args` turns them back."""
+        group = parser.add_argument_group("engine options")
+        for f in dataclasses.fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            meta = {k: v for k, v in f.metadata.items() if k != "help"}
+            default = f.default if isinstance(f.default, (str, int, float, type(None))) else None
+            help_text = f.metadata["help"]
+            if "default" not in help_text:
+                help_text += f" (default: {default})"
+            if f.type == "bool":
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
+            else:
+                group.add_argument(
+                    flag, type=_CLI_TYPES[f.type], default=default, help=help_text, **meta
+                )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     @classmethod
     def from_kwargs(cls, caller: str, **kwargs) -> EngineArgs:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import time
 from collections.abc import Iterable
 
@@ -36,13 +35,14 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.core.scheduler import Scheduler, SchedulerOutputs
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.metrics import StatLogger, Stats, build_stats
 from minivllm.engine.step_observer import StepObserver, StepRecord, queue_request_ids
 from minivllm.engine.stop_checker import StopChecker
-from minivllm.engine.trace_writer import TRACE_ENV, TraceWriter
+from minivllm.engine.trace_writer import TraceWriter
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -108,7 +108,7 @@ class LLMEngine:
         self.stat_logger = StatLogger(log_interval=_LOCAL_LOGGING_INTERVAL_SEC, enabled=log_stats)
         self.step_observers: list[StepObserver] = []
         self.trace_writer: TraceWriter | None = None
-        trace = trace or os.environ.get(TRACE_ENV)
+        trace = trace or envs.MINIVLLM_TRACE
         if trace:
             self.start_trace(trace)
 

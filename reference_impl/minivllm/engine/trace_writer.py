@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from minivllm.engine.llm_engine import LLMEngine
 
 SCHEMA_VERSION = 1
-TRACE_ENV = "MINIVLLM_TRACE"
 
 
 class TraceWriter:

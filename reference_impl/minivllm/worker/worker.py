@@ -11,7 +11,6 @@ from fractions import Fraction
 import torch
 
 from minivllm.config import (
-    CPU_KVCACHE_SPACE_ENV,
     CacheConfig,
     DeviceConfig,
     ModelConfig,
@@ -52,7 +51,7 @@ class Worker:
             source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
         else:
             budget = default_cpu_kv_cache_bytes()
-            source = f"the CPU budget (${CPU_KVCACHE_SPACE_ENV}, default 1 GiB)"
+            source = "the CPU budget ($MINIVLLM_CPU_KVCACHE_SPACE, default 1 GiB)"
         num_gpu_blocks = budget // block_bytes
         if cfg.num_gpu_blocks_override is not None:
             num_gpu_blocks = cfg.num_gpu_blocks_override

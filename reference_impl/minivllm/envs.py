@@ -1,0 +1,37 @@
+"""Every environment variable minivllm reads, in one place (vLLM keeps its
+own in `vllm/envs.py`, with `VLLM_` names where ours say `MINIVLLM_`).
+
+Each is read when used, not at import, so a notebook can set one in
+`os.environ` and the next engine sees it: `envs.MINIVLLM_TRACE` reads
+the variable now. The value is the raw string, or None when it is unset; the
+code that uses it checks it and names the variable when it is wrong.
+
+- MINIVLLM_ATTENTION_BACKEND: the attention backend when `LLM(...)` names
+  none: "torch", "numba", "cuda" or "auto" (attention/selector.py). vLLM's
+  twin is VLLM_ATTENTION_BACKEND.
+- MINIVLLM_CPU_KVCACHE_SPACE: the KV cache on a CPU, in GiB (default 1),
+  when no `kv_cache_memory_bytes` is given (config.py). vLLM's CPU backend
+  reads VLLM_CPU_KVCACHE_SPACE.
+- MINIVLLM_TRACE: a JSON Lines path; every engine writes its trace there
+  (engine/trace_writer.py, tools/tracer/), as if given `trace=PATH`.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENVIRONMENT_VARIABLES = (
+    "MINIVLLM_ATTENTION_BACKEND",
+    "MINIVLLM_CPU_KVCACHE_SPACE",
+    "MINIVLLM_TRACE",
+)
+
+
+def __getattr__(name: str) -> str | None:
+    if name in ENVIRONMENT_VARIABLES:
+        return os.environ.get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(ENVIRONMENT_VARIABLES)

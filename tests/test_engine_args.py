@@ -1,0 +1,115 @@
+"""Engine options: one declaration each (`EngineArgs`), every one a command-line
+flag with its default, and one module naming every environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import pathlib
+import re
+
+import pytest
+
+from minivllm import envs
+from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from minivllm.engine.arg_utils import EngineArgs
+
+PACKAGE = pathlib.Path(envs.__file__).parent
+
+
+def parser() -> argparse.ArgumentParser:
+    return EngineArgs.add_cli_args(argparse.ArgumentParser(prog="test"))
+
+
+def test_no_flags_give_the_default_options():
+    assert EngineArgs.from_cli_args(parser().parse_args([])) == EngineArgs()
+
+
+def test_every_option_is_a_flag_of_its_type():
+    argv = [
+        "--model", "/ckpt", "--dtype", "bfloat16", "--seed", "7", "--max-model-len", "100",
+        "--device", "cpu", "--dry-run", "--attention-backend", "torch", "--block-size", "8",
+        "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "1000000",
+        "--swap-space", "0.5", "--num-gpu-blocks-override", "12", "--enable-prefix-caching",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--preemption-mode", "swap",
+        "--enable-chunked-prefill", "--scheduling-policy", "priority",
+        "--scheduler-cls", "tests.engine_spies.RecordingScheduler", "--no-disable-log-stats",
+        "--tokenizer", "/tok", "--trust-remote-code", "--block-manager-cls", "a.B",
+        "--tensor-parallel-size", "1", "--no-enforce-eager",
+    ]
+    args = EngineArgs.from_cli_args(parser().parse_args(argv))
+    given = {a.lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a[:2] == "--"}
+    assert given == {f.name for f in dataclasses.fields(EngineArgs)}, "a flag is missing"
+    assert args == EngineArgs(
+        model="/ckpt", tokenizer="/tok", trust_remote_code=True, dtype="bfloat16", seed=7,
+        max_model_len=100, device="cpu", dry_run=True, attention_backend="torch", block_size=8,
+        gpu_memory_utilization=0.5, kv_cache_memory_bytes=1000000, swap_space=0.5,
+        num_gpu_blocks_override=12, enable_prefix_caching=True, max_num_seqs=4,
+        max_num_batched_tokens=64, preemption_mode="swap", enable_chunked_prefill=True,
+        scheduling_policy="priority", scheduler_cls="tests.engine_spies.RecordingScheduler",
+        block_manager_cls="a.B", disable_log_stats=False, tensor_parallel_size=1,
+        enforce_eager=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--block-size", "eight"], ["--preemption-mode", "later"], ["--swap-space", "x"]],
+)
+def test_bad_flag_values_are_refused_by_argparse(argv, capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_option_defaults_are_the_configs_defaults():
+    """One default per option: EngineArgs takes it from the config class
+    that owns the option (device included: it used to differ)."""
+    owners = [ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig]
+    defaults, checked = EngineArgs(), {"model"}  # no default model: the shipped one
+    for config in owners:  # the first config to hold a name owns it
+        for f in dataclasses.fields(config):
+            if f.init and hasattr(defaults, f.name) and f.name not in checked:
+                assert getattr(defaults, f.name) == f.default, (config.__name__, f.name)
+                checked.add(f.name)
+    assert len(checked) > 20
+
+
+def test_a_flag_reaches_the_engine(tiny_model_dir):
+    args = parser().parse_args(["--model", tiny_model_dir("llama"), "--block-size", "8",
+                                "--num-gpu-blocks-override", "20", "--enable-prefix-caching"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert (config.cache_config.block_size, config.cache_config.num_gpu_blocks_override) == (8, 20)
+    assert config.cache_config.enable_prefix_caching
+
+
+def test_environment_variables_are_read_when_used(monkeypatch):
+    monkeypatch.delenv("MINIVLLM_TRACE", raising=False)
+    assert envs.MINIVLLM_TRACE is None
+    monkeypatch.setenv("MINIVLLM_TRACE", "run.jsonl")
+    assert envs.MINIVLLM_TRACE == "run.jsonl"
+    with pytest.raises(AttributeError):
+        envs.MINIVLLM_NO_SUCH_VARIABLE  # noqa: B018
+
+
+def reads_environment(tree: ast.AST) -> bool:
+    """Whether code (not a docstring) touches os.environ or os.getenv."""
+    return any(
+        isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
+        and isinstance(node.value, ast.Name) and node.value.id == "os"
+        for node in ast.walk(tree)
+    )
+
+
+def test_every_environment_variable_is_named_in_envs_only():
+    """envs.py is the one place: every MINIVLLM_ name the package mentions is
+    listed there, and no other module of the engine reads the environment."""
+    mentioned, readers = set(), []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        mentioned |= set(re.findall(r"\bMINIVLLM_[A-Z_]+\b", text))
+        if path.name != "envs.py" and reads_environment(ast.parse(text)):
+            readers.append(str(path.relative_to(PACKAGE)))
+    assert mentioned == set(envs.ENVIRONMENT_VARIABLES)
+    assert readers == []
