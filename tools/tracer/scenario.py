@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,14 +177,18 @@ def run_scenario(
     dry_run: bool = False,
     engine_overrides: dict[str, Any] | None = None,
     max_steps: int = 100_000,
+    observers: Iterable[Any] = (),
 ) -> int:
     """Play the scenario into a trace; returns the number of steps run.
 
     Step k first adds the requests whose arrival_step is k, then runs one
     engine step, even an empty one, so that trace step numbers are the
-    scenario's.
+    scenario's. `observers` are attached to the engine (add_step_observer)
+    before the first request is added.
     """
     engine = _engine(scenario, trace_path, model, dry_run, engine_overrides or {})
+    for observer in observers:
+        engine.add_step_observer(observer)
     step = 0
     try:
         pending = [_request(scenario, i, r, engine) for i, r in enumerate(scenario.requests)]

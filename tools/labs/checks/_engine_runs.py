@@ -1,6 +1,7 @@
-"""Shared by the day 5 and day 6 checkers: run a workload on the real engine
-(with or without the model) with tracing on, and compare a learner's run
-with the reference's step by step, naming the first step that differs.
+"""Shared by the checkers that run the engine (days 2, 5 and 6): run a
+workload on the real engine (with or without the model) with tracing on,
+run a learner's component inside it beside the reference, and compare the
+two runs step by step, naming the first step that differs.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,3 +180,97 @@ def describe_step(step: dict) -> str:
         f"step {step['step']}: batch [{batch}] · block tables {{{tables}}} · "
         f"free gpu {step['free_blocks']['gpu']}, cpu {step['free_blocks']['cpu']}"
     )
+
+
+def token_prompts(
+    lengths: list[int],
+    *,
+    request_stride: int = 7,
+    token_stride: int = 3,
+    modulo: int = 900,
+    first: int = 5,
+) -> list[list[int]]:
+    """Prompts of these lengths as fixed token ids, the same on every run:
+    token j of prompt i is first + (request_stride * i + token_stride * j) % modulo."""
+    return [
+        [first + (request_stride * i + token_stride * j) % modulo for j in range(n)]
+        for i, n in enumerate(lengths)
+    ]
+
+
+_FALLBACK_HINT = "compare the two runs step by step with the tracer."
+
+
+def compare_runs(
+    ref: Run,
+    got: Run,
+    label: str,
+    hints: Mapping[str, str],
+    *,
+    agreed: str = "every step agreed",
+    refine_hint: Callable[[str, Any, Any], str | None] | None = None,
+) -> None:
+    """AssertionError naming the first step whose decisions differ, with the
+    hint for that field (`refine_hint(field, reference, yours)` may give a
+    closer one) and the reference's step before; then, if every step agreed
+    (`agreed` says what), one naming differing generated tokens."""
+    diff = first_difference(ref.trace, got.trace)
+    if diff is not None:
+        step, field, want, have = diff
+        hint = (refine_hint and refine_hint(field, want, have)) or hints.get(
+            field, _FALLBACK_HINT
+        )
+        context = ""
+        if 0 < step <= len(ref.trace.steps):
+            context = "\nThe step before, in the reference:\n  " + describe_step(
+                ref.trace.steps[step - 1]
+            )
+        raise AssertionError(
+            f"{label}: step {step}'s {field} differ from the reference's.\n"
+            f"  reference: {want}\n  yours:     {have}\n"
+            f"Hint: {hint}{context}"
+        )
+    assert got.outputs == ref.outputs, (
+        f"{label}: the generated tokens differ from the reference's although {agreed}."
+        f"\n  reference: {ref.texts}\n  yours:     {got.texts}"
+    )
+
+
+# The engine option that installs a component, and where the engine keeps it.
+_COMPONENTS: dict[str, Callable[[Any], Any]] = {
+    "scheduler_cls": lambda engine: engine.scheduler,
+    "block_manager_cls": lambda engine: engine.scheduler.block_manager,
+}
+
+
+def check_in_engine(
+    option: str,
+    cls: type,
+    label: str,
+    prompts: list[Any],
+    params: SamplingParams | list[SamplingParams],
+    dry_run: bool,
+    *,
+    hints: Mapping[str, str],
+    error_hint: str = "",
+    agreed: str = "every step agreed",
+    refine_hint: Callable[[str, Any, Any], str | None] | None = None,
+    **engine: Any,
+) -> Run:
+    """Run the workload with the reference, then with the learner's `cls`
+    installed by the engine option `option` (scheduler_cls or
+    block_manager_cls), and compare the runs (compare_runs); the learner's run.
+    An exception from the learner's code becomes an AssertionError naming
+    it, with `error_hint`; a run far longer than the reference's fails."""
+    ref = run_traced(prompts, params, dry_run, **engine)
+    with learner_code(f"{cls.__name__}, inside the engine ({label}),", error_hint):
+        got = run_traced(
+            prompts, params, dry_run, max_steps=3 * len(ref.trace.steps) + 20,
+            **{option: cls}, **engine,
+        )
+    used = _COMPONENTS[option](got.llm.llm_engine)
+    assert type(used) is cls, (
+        f"the engine should have used {cls.__name__}, not {type(used).__name__}"
+    )
+    compare_runs(ref, got, label, hints, agreed=agreed, refine_hint=refine_hint)
+    return got

@@ -15,16 +15,14 @@ from typing import Any
 
 from minivllm import LLM, SamplingParams
 from minivllm.outputs import RequestOutput
+from tools.labs.checks._common import passed
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily was a kind girl"]
 # Different lengths, so the requests finish in another order than they came.
 MAX_TOKENS = [24, 5, 12]
 _SUMMARY_KEYS = {"prompt_tokens", "output_tokens", "finish_reason", "text"}
 _ids = itertools.count()
-
-
-def _passed(k: int) -> None:
-    print(f"Day 1, exercise {k}: passed")
+DAY = 1
 
 
 def _greedy(max_tokens: int, **kwargs: Any) -> SamplingParams:
@@ -97,7 +95,7 @@ def exercise_1(make_params, summarize, llm: LLM) -> None:
                     f"stop={run_params.stop!r}: {key} should be {want[key]!r}, got "
                     f"{got[key]!r}. Hint: {hint}."
                 )
-    _passed(1)
+    passed(DAY, 1)
 
 
 # Exercise 2 ---------------------------------------------------------------------
@@ -146,7 +144,7 @@ def exercise_2(run_engine, llm: LLM) -> None:
             f"{list(g.outputs[0].token_ids)}. Hint: pass each prompt's own SamplingParams "
             "to add_request."
         )
-    _passed(2)
+    passed(DAY, 2)
 
 
 # Exercise 3 ---------------------------------------------------------------------
@@ -224,7 +222,7 @@ def exercise_3(step_log_cls, llm: LLM) -> None:
                 f"Step {n}: {key} should be the StepRecord's own {key} ({want[key]:.3f}), "
                 f"got {got[key]!r}. Hint: the engine times the phases for you: record.{key}."
             )
-    _passed(3)
+    passed(DAY, 3)
 
 
 def _stable(row: dict[str, Any]) -> dict[str, Any]:
@@ -306,4 +304,4 @@ def exercise_4(my_step, llm: LLM, max_steps: int = 100) -> None:
             "moves (blocks_to_swap_in, blocks_to_swap_out, blocks_to_copy) and its metadata "
             "list to worker.execute_model, in that order."
         )
-    _passed(4)
+    passed(DAY, 4)

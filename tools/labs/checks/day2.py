@@ -12,9 +12,7 @@ unfinished exercise propagates unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import math
 import os
 import tempfile
@@ -26,23 +24,14 @@ from minivllm import LLM, SamplingParams
 from minivllm.assets import DEFAULT_MODEL
 from minivllm.config import ModelConfig
 from minivllm.worker.cache_engine import CacheEngine
+from tools.labs.checks._common import passed
+from tools.labs.checks._engine_runs import quiet_engine, token_prompts
 from tools.tracer import load_trace
 
+DAY = 2
 
-def _passed(k: int) -> None:
-    print(f"Day 2, exercise {k}: passed")
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Keep the engine's preemption warnings out of the notebook."""
-    logger = logging.getLogger("minivllm")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+# Prompt token ids in this day's runs: 2 + (7 * i + j) % 500 for token j of prompt i.
+_IDS = dict(token_stride=1, modulo=500, first=2)
 
 
 # The configurations of real models (their published config.json fields; no
@@ -138,7 +127,7 @@ def exercise_1(kv_cache_bytes_per_token) -> None:
             f"(CacheEngine.get_cache_block_size with a 1-token block), your function gave "
             f"{got!r}. Hint: {hint}."
         )
-    _passed(1)
+    passed(DAY, 1)
 
 
 # Exercise 2 ---------------------------------------------------------------------
@@ -149,7 +138,8 @@ def _traced_run(prompt_lens, max_tokens, arrivals=None, **engine_kwargs):
     manager), traced; prompts are token ids. `arrivals[i]` is the number of
     steps taken before request i is added."""
     arrivals = arrivals or [0] * len(prompt_lens)
-    with tempfile.TemporaryDirectory() as tmp, _quiet():
+    prompts = token_prompts(prompt_lens, **_IDS)
+    with tempfile.TemporaryDirectory() as tmp, quiet_engine():
         path = os.path.join(tmp, "run.jsonl")
         llm = LLM(dry_run=True, trace=path, **engine_kwargs)
         engine = llm.llm_engine
@@ -158,9 +148,8 @@ def _traced_run(prompt_lens, max_tokens, arrivals=None, **engine_kwargs):
         while pending or engine.has_unfinished_requests():
             while pending and pending[0][0] <= step:
                 _, i = pending.pop(0)
-                ids = [2 + (7 * i + j) % 500 for j in range(prompt_lens[i])]
                 engine.add_request(
-                    "ABCDEFGH"[i], {"prompt_token_ids": ids},
+                    "ABCDEFGH"[i], {"prompt_token_ids": prompts[i]},
                     SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True),
                 )
             engine.step()
@@ -199,7 +188,7 @@ def exercise_2(blocks_needed) -> None:
                 f"the block manager gave it {len(table)} blocks, {table}; your "
                 f"blocks_needed said {got}."
             )
-    _passed(2)
+    passed(DAY, 2)
 
 
 # Exercise 3 ---------------------------------------------------------------------
@@ -258,7 +247,7 @@ def exercise_3(kv_usage) -> None:
                 f"holding none (finished, or preempted and waiting): {others or 'none'}. "
                 f"Hint: {hint}."
             )
-    _passed(3)
+    passed(DAY, 3)
 
 
 # Exercise 4 ---------------------------------------------------------------------
@@ -294,14 +283,15 @@ _PLAIN_CASES = [
 def _engine_admits(budget_bytes, block_size, max_model_len, seq_lens) -> int:
     """How many of these prompts the real scheduler admits in its first step,
     with nothing but the KV budget in the way."""
-    with _quiet():
+    with quiet_engine():
         llm = LLM(dry_run=True, kv_cache_memory_bytes=budget_bytes, block_size=block_size,
                   max_model_len=max_model_len,
                   max_num_batched_tokens=max(sum(seq_lens), max_model_len),
                   max_num_seqs=len(seq_lens))
     engine = llm.llm_engine
-    for i, n in enumerate(seq_lens):
-        engine.add_request(str(i), {"prompt_token_ids": [2 + j % 500 for j in range(n)]},
+    prompts = token_prompts(seq_lens, request_stride=0, **_IDS)  # one prompt, cut to each length
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids},
                            SamplingParams(temperature=0.0, max_tokens=1))
     return len(engine.step())
 
@@ -346,4 +336,4 @@ def exercise_4(how_many_fit) -> None:
             f"scheduler admitted {admitted} of the prompts {lens} in its first step; your "
             f"how_many_fit says {got} fit."
         )
-    _passed(4)
+    passed(DAY, 4)

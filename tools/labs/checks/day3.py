@@ -13,15 +13,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from minivllm import EngineArgs, LLMEngine, SamplingParams
 from minivllm.assets import DEFAULT_MODEL
+from tools.labs.checks._common import needs, passed
 from tools.tracer import load_trace
-from tools.tracer.scenario import SCENARIO_DIR, Scenario, build_prompt, load_scenario
+from tools.tracer.scenario import SCENARIO_DIR, Scenario, load_scenario, run_scenario
 from tools.tracer.trace import Trace
 
-_REQUEST_KEYS = {
-    "id", "prompt", "prompt_len", "prompt_token_ids", "prefix", "arrival_step", "priority"
-}
+__all__ = ["exercise_1", "exercise_2", "exercise_3", "exercise_4", "exercise_5", "needs",
+           "play", "states_runs"]
+
+DAY = 3
 
 # Extra workloads, beside the shipped scenarios: several preemptions of one
 # request, an ignored prompt, and parallel sampling (one prompt, two sequences).
@@ -74,29 +75,8 @@ def play(name: str, observers=(), dry_run: bool = True) -> Trace:
     else:
         scenario = load_scenario(SCENARIO_DIR / f"{name}.yaml")
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / f"{name}.jsonl")
-        args = EngineArgs.from_kwargs(
-            "day3", model=DEFAULT_MODEL, dry_run=dry_run, **scenario.engine
-        )
-        engine = LLMEngine.from_engine_args(args, trace=path)
-        for observer in observers:
-            engine.add_step_observer(observer)
-        pending = []
-        for request in scenario.requests:
-            params = SamplingParams(**{k: v for k, v in request.items() if k not in _REQUEST_KEYS})
-            prompt = build_prompt(scenario, request, engine)
-            pending.append((request.get("arrival_step", 0), request["id"], prompt, params))
-        pending.sort(key=lambda item: item[0])
-        step = 0
-        try:
-            while pending or engine.has_unfinished_requests():
-                while pending and pending[0][0] <= step:
-                    _, rid, prompt, params = pending.pop(0)
-                    engine.add_request(rid, prompt, params)
-                engine.step()
-                step += 1
-        finally:
-            engine.stop_trace()
+        path = Path(tmp) / f"{name}.jsonl"
+        run_scenario(scenario, path, DEFAULT_MODEL, dry_run=dry_run, observers=observers)
         return load_trace(path)
 
 
@@ -107,10 +87,6 @@ def _trace(name: str) -> Trace:
     if name not in _TRACES:
         _TRACES[name] = play(name)
     return _TRACES[name]
-
-
-def _passed(k: int) -> None:
-    print(f"Day 3, exercise {k}: passed")
 
 
 def _first_index(expected: list, got: list) -> int:
@@ -155,7 +131,7 @@ def exercise_1(request_states) -> None:
                 f"  expected, from entry {i}: {expected[i : i + 5]}\n"
                 f"  got,      from entry {i}: {got[i : i + 5]}\n{hint}"
             )
-    _passed(1)
+    passed(DAY, 1)
 
 
 # Exercise 2 ------------------------------------------------------------------
@@ -179,7 +155,7 @@ def exercise_2(ttft_steps) -> None:
                     "whose `sampled` holds one of the request's sequences (a chunk that does not "
                     "finish the prompt samples nothing), and return None if there is none."
                 )
-    _passed(2)
+    passed(DAY, 2)
 
 
 # Exercise 3 ------------------------------------------------------------------
@@ -219,7 +195,7 @@ def exercise_3(preemptions) -> None:
                 "entry there), with None, None if it never ran again. A RECOMPUTE victim comes "
                 "back as a prefill of its whole sequence so far; a SWAP victim as a 1-token decode."
             )
-    _passed(3)
+    passed(DAY, 3)
 
 
 # Exercise 4 ------------------------------------------------------------------
@@ -251,7 +227,7 @@ def exercise_4(observer_cls) -> None:
                 "token per running sequence (a request with n=2 decodes 2). `record.batch` "
                 "(FlatBatch) has num_prefill_tokens and the whole batch's input_ids."
             )
-    _passed(4)
+    passed(DAY, 4)
 
 
 # Exercise 5 ------------------------------------------------------------------
@@ -303,7 +279,7 @@ def exercise_5(observer_cls) -> None:
                 "requests in every step, not only while they are scheduled: preemption and "
                 "ignoring happen to requests that are not in the batch."
             )
-    _passed(5)
+    passed(DAY, 5)
 
 
 def _order(trace: Trace):
@@ -321,22 +297,3 @@ def states_runs(states: list[tuple[int, str]]) -> str:
             runs.append([state, step, step])
     return ", ".join(f"{s} {a}" if a == b else f"{s} {a}-{b}" for s, a, b in runs)
 
-
-class needs:
-    """`with check.needs(4): ...` runs a cell that uses exercise 4's code; while
-    that exercise is unfinished (NotImplementedError) it says so instead of failing."""
-
-    def __init__(self, *k: int) -> None:
-        self.k = " and ".join(map(str, k))
-
-    def __enter__(self) -> needs:
-        return self
-
-    def __exit__(self, kind, value, tb) -> bool:
-        if kind is not None and issubclass(kind, NotImplementedError):
-            print(
-                f"(this cell uses your code from exercise {self.k}: "
-                "run it again once the checker passes)"
-            )
-            return True
-        return False

@@ -16,17 +16,14 @@ import torch.nn.functional as F
 from minivllm import LLM, SamplingParams
 from minivllm.assets import DEFAULT_MODEL
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
-from tools.labs.checks.day3 import needs
+from tools.labs.checks._common import needs, passed
 
 __all__ = ["exercise_1", "exercise_2", "exercise_3", "exercise_4", "needs"]
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
 NUM_KV_HEADS, NUM_HEADS, HEAD_SIZE = 2, 6, 8  # GQA: 3 query heads per KV head
-
-
-def _passed(k: int) -> None:
-    print(f"Day 4, exercise {k}: passed")
+DAY = 4
 
 
 def reference_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -97,7 +94,7 @@ def exercise_1(slot_mapping) -> None:
                 "block_table[p // block_size] * block_size + p % block_size; one slot per new "
                 "position, from the context length up to (not including) the sequence length."
             )
-    _passed(1)
+    passed(DAY, 1)
 
 
 # Exercise 2 ------------------------------------------------------------------
@@ -124,7 +121,7 @@ def exercise_2(gather_kv) -> None:
                     f"from the cache's. Token t is in block block_table[t // {BLOCK_SIZE}], row "
                     f"t % {BLOCK_SIZE}; kv_cache[0] holds keys and kv_cache[1] values."
                 )
-    _passed(2)
+    passed(DAY, 2)
 
 
 # Exercise 3 ------------------------------------------------------------------
@@ -165,7 +162,7 @@ def exercise_3(paged_decode) -> None:
                 f"query head h uses KV head h // {NUM_HEADS // NUM_KV_HEADS} "
                 "(heads grouped in order, not round-robin)."
             )
-    _passed(3)
+    passed(DAY, 3)
 
 
 # Exercise 4 ------------------------------------------------------------------
@@ -223,4 +220,4 @@ def exercise_4(backend_cls) -> None:
                 "[num_decodes, num_heads, head_size] and the output must be the same shape "
                 "and dtype."
             )
-    _passed(4)
+    passed(DAY, 4)

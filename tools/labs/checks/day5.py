@@ -12,17 +12,16 @@ import functools
 from minivllm import SamplingParams
 from minivllm.core.block_allocator import BlockAllocator, Device, PhysicalTokenBlock
 from minivllm.core.block_manager import BlockSpaceManager
+from tools.labs.checks._common import passed
 from tools.labs.checks._engine_runs import (
     Run,
-    describe_step,
-    first_difference,
+    check_in_engine,
     learner_code,
     run_traced,
+    token_prompts,
 )
 
-
-def _passed(k: int) -> None:
-    print(f"Day 5, exercise {k}: passed")
+DAY = 5
 
 
 # -- exercise 1: a free list ---------------------------------------------------
@@ -116,7 +115,7 @@ def exercise_1(allocator_cls) -> None:
             "free): silently putting it on the free list twice would hand one block to two "
             "sequences"
         )
-    _passed(1)
+    passed(DAY, 1)
 
 
 # -- exercise 2: slots -----------------------------------------------------------
@@ -149,14 +148,13 @@ def exercise_2(num_blocks_needed, slot_mapping) -> None:
                 f"(block table {table}) wrote positions {entry['positions']} to slots "
                 f"{entry['slot_mapping']}; your slot_mapping gives {got}"
             )
-    _passed(2)
+    passed(DAY, 2)
 
 
 @functools.lru_cache(maxsize=1)
 def _slot_run() -> Run:
-    prompts = [[(5 * i + 3 * j) % 900 + 5 for j in range(n)] for i, n in enumerate([5, 12, 9])]
     return run_traced(
-        prompts,
+        token_prompts([5, 12, 9], request_stride=5),
         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
         dry_run=True,
         block_size=4,
@@ -196,37 +194,12 @@ _ENGINE_HINT = (
 )
 
 
-def _compare(ref: Run, got: Run, label: str) -> None:
-    diff = first_difference(ref.trace, got.trace)
-    if diff is None:
-        return
-    step, field, want, have = diff
-    context = ""
-    if step > 0 and step - 1 < len(ref.trace.steps):
-        before = describe_step(ref.trace.steps[step - 1])
-        context = "\nThe step before, in the reference:\n  " + before
-    raise AssertionError(
-        f"{label}: step {step}'s {field} differ from the reference's.\n"
-        f"  reference: {want}\n  yours:     {have}\n"
-        f"Hint: {_HINTS.get(field, 'compare the two runs step by step with the tracer.')}"
-        f"{context}"
-    )
-
-
 def _check_in_engine(cls, label: str, prompts, params, dry_run: bool, **engine) -> None:
-    ref = run_traced(prompts, params, dry_run, **engine)
-    with learner_code(f"{cls.__name__}, inside the engine ({label}),", _ENGINE_HINT):
-        got = run_traced(
-            prompts, params, dry_run, max_steps=3 * len(ref.trace.steps) + 20,
-            block_manager_cls=cls, **engine,
-        )
-    bm = got.llm.llm_engine.scheduler.block_manager
-    assert type(bm) is cls, f"the engine should have used {cls.__name__}, it used {type(bm)}"
-    _compare(ref, got, label)
-    assert got.outputs == ref.outputs, (
-        f"{label}: the generated tokens differ from the reference's although every block "
-        f"table agreed.\n  reference: {ref.texts}\n  yours:     {got.texts}"
+    got = check_in_engine(
+        "block_manager_cls", cls, label, prompts, params, dry_run,
+        hints=_HINTS, error_hint=_ENGINE_HINT, agreed="every block table agreed", **engine,
     )
+    bm = got.llm.llm_engine.scheduler.block_manager
     total = bm.num_total_gpu_blocks
     assert not bm.block_tables and bm.get_num_free_gpu_blocks() == total, (
         f"{label}: once every request finished, all {total} device blocks should be free and "
@@ -234,10 +207,6 @@ def _check_in_engine(cls, label: str, prompts, params, dry_run: bool, **engine) 
         f"seqs {sorted(bm.block_tables)}. Hint: free(seq) must release every block of the "
         "sequence's table, and forget the table."
     )
-
-
-def _token_prompts(lengths: list[int]) -> list[list[int]]:
-    return [[(7 * i + 3 * j) % 900 + 5 for j in range(n)] for i, n in enumerate(lengths)]
 
 
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Mia went to"]
@@ -255,7 +224,7 @@ def exercise_3(block_manager_cls) -> None:
         _check_in_engine(
             block_manager_cls,
             f"dry run, six prompts, 12 blocks of 16, preemption by {mode}",
-            _token_prompts(lengths),
+            token_prompts(lengths),
             greedy,
             dry_run=True,
             block_size=16,
@@ -272,7 +241,7 @@ def exercise_3(block_manager_cls) -> None:
         block_size=8,
         num_gpu_blocks_override=8,
     )
-    _passed(3)
+    passed(DAY, 3)
 
 
 def exercise_4(block_manager_cls) -> None:
@@ -282,7 +251,7 @@ def exercise_4(block_manager_cls) -> None:
     _check_in_engine(
         block_manager_cls,
         "dry run, n=2 and n=3, 32 blocks of 16",
-        _token_prompts([20, 40, 32]),
+        token_prompts([20, 40, 32]),
         [
             SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=14, ignore_eos=True),
             SamplingParams(n=3, temperature=0.8, seed=2, max_tokens=12, ignore_eos=True),
@@ -295,7 +264,7 @@ def exercise_4(block_manager_cls) -> None:
     _check_in_engine(
         block_manager_cls,
         "dry run, n=2, 12 blocks of 16 (forked groups preempt by SWAP)",
-        _token_prompts([40, 16, 31]),
+        token_prompts([40, 16, 31]),
         SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
         dry_run=True,
         block_size=16,
@@ -311,4 +280,4 @@ def exercise_4(block_manager_cls) -> None:
         block_size=8,
         num_gpu_blocks_override=8,
     )
-    _passed(4)
+    passed(DAY, 4)

@@ -13,18 +13,18 @@ import math
 
 from minivllm import SamplingParams
 from minivllm.core.scheduler import Scheduler
+from tools.labs.checks._common import passed
 from tools.labs.checks._engine_runs import (
     Run,
-    describe_step,
+    check_in_engine,
     first_difference,
     learner_code,
     run_traced,
+    token_prompts,
 )
 from tools.tracer.trace import Trace
 
-
-def _passed(k: int) -> None:
-    print(f"Day 6, exercise {k}: passed")
+DAY = 6
 
 
 # -- exercise 1: one step's admission, by hand -------------------------------------
@@ -103,7 +103,7 @@ def exercise_1(admit) -> None:
             f"{label}: admit({lens}, {', '.join(f'{k}={v}' for k, v in kwargs.items())}) "
             f"should return {want}, got {tuple(got)}.\nHint: {_ADMIT_HINTS[want[1]]}."
         )
-    _passed(1)
+    passed(DAY, 1)
 
 
 # -- exercises 2 and 4: a scheduler inside the engine --------------------------------
@@ -131,52 +131,24 @@ _HINTS = {
 }
 
 
-def _compare(ref: Run, got: Run, label: str) -> None:
-    diff = first_difference(ref.trace, got.trace)
-    if diff is not None:
-        step, field, want, have = diff
-        hint = _HINTS.get(field, "compare the two runs step by step with the tracer.")
-        if field == "scheduled" and [(r, s, n) for r, s, _, n in want] == [
-            (r, s, n) for r, s, _, n in have
-        ]:
-            hint = (
-                "The same requests ran, but as a prefill in one run and a decode in the other. "
-                "A RECOMPUTE victim must be prefilled again from scratch: call "
-                "seq.reset_state_for_recompute() on each of its sequences."
-            )
-        context = ""
-        if 0 < step <= len(ref.trace.steps):
-            context = "\nThe step before, in the reference:\n  " + describe_step(
-                ref.trace.steps[step - 1]
-            )
-        raise AssertionError(
-            f"{label}: step {step}'s {field} differ from the reference's.\n"
-            f"  reference: {want}\n  yours:     {have}\n"
-            f"Hint: {hint}{context}"
+def _prefill_or_decode(field: str, want, have) -> str | None:
+    """The closer hint when the same sequences ran, one as a prefill here and a decode there."""
+    if field == "scheduled" and [(r, s, n) for r, s, _, n in want] == [
+        (r, s, n) for r, s, _, n in have
+    ]:
+        return (
+            "The same requests ran, but as a prefill in one run and a decode in the other. "
+            "A RECOMPUTE victim must be prefilled again from scratch: call "
+            "seq.reset_state_for_recompute() on each of its sequences."
         )
-    assert got.outputs == ref.outputs, (
-        f"{label}: the generated tokens differ from the reference's although every step "
-        f"agreed.\n  reference: {ref.texts}\n  yours:     {got.texts}"
-    )
+    return None
 
 
 def _check_in_engine(cls, label: str, prompts, params, dry_run: bool, **engine) -> Run:
-    ref = run_traced(prompts, params, dry_run, **engine)
-    with learner_code(f"{cls.__name__}, inside the engine ({label}),"):
-        got = run_traced(
-            prompts, params, dry_run, max_steps=3 * len(ref.trace.steps) + 20,
-            scheduler_cls=cls, **engine,
-        )
-    scheduler = got.llm.llm_engine.scheduler
-    assert type(scheduler) is cls, (
-        f"the engine should have used {cls.__name__}, not {type(scheduler).__name__}"
+    return check_in_engine(
+        "scheduler_cls", cls, label, prompts, params, dry_run,
+        hints=_HINTS, refine_hint=_prefill_or_decode, **engine,
     )
-    _compare(ref, got, label)
-    return got
-
-
-def _token_prompts(lengths: list[int]) -> list[list[int]]:
-    return [[(7 * i + 3 * j) % 900 + 5 for j in range(n)] for i, n in enumerate(lengths)]
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -196,28 +168,28 @@ def exercise_2(scheduler_cls) -> None:
     _require_scheduler(scheduler_cls)
     workloads = [
         ("token budget: four 100-token prompts, max_num_batched_tokens=256",
-         _token_prompts([100] * 4), _greedy(4),
+         token_prompts([100] * 4), _greedy(4),
          dict(block_size=16, num_gpu_blocks_override=64, max_model_len=256,
               max_num_batched_tokens=256)),
         ("free blocks: 100 + 50 tokens in 10 blocks of 16",
-         _token_prompts([100, 50]), _greedy(3),
+         token_prompts([100, 50]), _greedy(3),
          dict(block_size=16, num_gpu_blocks_override=10)),
         ("max_num_seqs=2, five prompts of different lengths",
-         _token_prompts([30, 5, 60, 12, 25]),
+         token_prompts([30, 5, 60, 12, 25]),
          [_greedy(m) for m in (6, 2, 4, 8, 3)],
          dict(block_size=16, num_gpu_blocks_override=64, max_num_seqs=2)),
         ("a prompt that can never fit (80 tokens, 4 blocks of 16), then one that fits",
-         _token_prompts([80, 20]), _greedy(3),
+         token_prompts([80, 20]), _greedy(3),
          dict(block_size=16, num_gpu_blocks_override=4, max_model_len=128)),
         ("the watermark: four 390-token prompts (25 blocks each) in 100 blocks, 1 kept back",
-         _token_prompts([390] * 4), _greedy(4),
+         token_prompts([390] * 4), _greedy(4),
          dict(block_size=16, num_gpu_blocks_override=100, max_model_len=512)),
         ("n=2 reserves two sequence slots: max_num_seqs=3",
-         _token_prompts([20, 20, 20]),
+         token_prompts([20, 20, 20]),
          SamplingParams(n=2, temperature=0.8, seed=0, max_tokens=4, ignore_eos=True),
          dict(block_size=16, num_gpu_blocks_override=64, max_num_seqs=3)),
         ("RECOMPUTE preemption: preempted requests are admitted again",
-         _token_prompts([40, 16, 17, 31, 5, 40]), _greedy(40),
+         token_prompts([40, 16, 17, 31, 5, 40]), _greedy(40),
          dict(block_size=16, num_gpu_blocks_override=12, preemption_mode="recompute")),
     ]
     for label, prompts, params, engine in workloads:
@@ -232,7 +204,7 @@ def exercise_2(scheduler_cls) -> None:
         num_gpu_blocks_override=32,
         max_num_seqs=2,
     )
-    _passed(2)
+    passed(DAY, 2)
 
 
 # -- exercise 3: static batching, measured ----------------------------------------------
@@ -260,7 +232,7 @@ MEASURE_ENGINE = dict(block_size=16, num_gpu_blocks_override=128, max_num_seqs=4
 
 
 def measure_workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    return _token_prompts(MEASURE_PROMPT_LENS), [_greedy(m) for m in MEASURE_MAX_TOKENS]
+    return token_prompts(MEASURE_PROMPT_LENS), [_greedy(m) for m in MEASURE_MAX_TOKENS]
 
 
 @functools.lru_cache(maxsize=1)
@@ -302,7 +274,7 @@ def exercise_3(static_scheduler_cls, slot_usage) -> None:
         "admit exactly as the normal scheduler does (super()._schedule_prefills)."
     )
     assert got.outputs == continuous.outputs, "the tokens should not depend on the batching"
-    _passed(3)
+    passed(DAY, 3)
 
 
 # -- exercise 4: preemption -------------------------------------------------------------
@@ -311,7 +283,7 @@ def exercise_3(static_scheduler_cls, slot_usage) -> None:
 def exercise_4(scheduler_cls) -> None:
     """`_preempt`: RECOMPUTE and SWAP, and the choice between them."""
     _require_scheduler(scheduler_cls)
-    three = _token_prompts([40, 40, 40])
+    three = token_prompts([40, 40, 40])
     for mode in ("recompute", "swap", None):
         _check_in_engine(
             scheduler_cls,
@@ -322,7 +294,7 @@ def exercise_4(scheduler_cls) -> None:
     _check_in_engine(
         scheduler_cls,
         "dry run, n=2 groups under pressure with preemption_mode='recompute' (forked: SWAP)",
-        _token_prompts([40, 16, 31]),
+        token_prompts([40, 16, 31]),
         SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
         True,
         block_size=16, num_gpu_blocks_override=12, preemption_mode="recompute", swap_space=0.01,
@@ -330,7 +302,7 @@ def exercise_4(scheduler_cls) -> None:
     _check_in_engine(
         scheduler_cls,
         "dry run, chunked prefill under pressure with preemption_mode='swap'",
-        _token_prompts([90, 70, 60, 50]), _greedy(30), True,
+        token_prompts([90, 70, 60, 50]), _greedy(30), True,
         block_size=16, num_gpu_blocks_override=16, enable_chunked_prefill=True,
         max_num_batched_tokens=32, max_num_seqs=4, preemption_mode="swap", swap_space=0.01,
     )
@@ -341,4 +313,4 @@ def exercise_4(scheduler_cls) -> None:
         block_size=8, num_gpu_blocks_override=8, preemption_mode="swap",
     )
     assert any(step["swap_out"] for step in got.trace.steps), "this run should swap out"
-    _passed(4)
+    passed(DAY, 4)

@@ -174,40 +174,56 @@ class Sampler(nn.Module):
     ) -> SamplerOutput:
         logits = logits.float()
         seq_groups = sampling_metadata.seq_groups
-        # One row per sampling sequence, in group order.
+        # One row per sampling sequence, in group order, processed together.
         rows = [(sg, seq_id) for sg in seq_groups if sg.sample_indices for seq_id in sg.seq_ids]
         sample_indices = [index for sg in seq_groups for index in sg.sample_indices]
         processed = self._process_logits(logits[sample_indices], rows)  # [num_rows, vocab_size]
         logprobs = torch.log_softmax(processed, dim=-1)
         probs = logprobs.exp()
-        # Each row draws one token, except a prompt's first sample, which
-        # draws `best_of`: the sequences the request will fork into.
-        draws: list[tuple[int, int]] = []  # (row, token), rows in order
-        for row, (sg, seq_id) in enumerate(rows):
-            if sg.sampling_params.sampling_type == SamplingType.GREEDY:
-                draws.append((row, int(processed[row].argmax())))
-                continue
-            first = not sg.seq_data[seq_id].output_token_ids
-            for _ in range(sg.sampling_params.best_of if first else 1):
-                draws.append((row, self._draw(probs[row], sg.generator or self.generator)))
-        draw_rows = [row for row, _ in draws]
-        tokens = [token for _, token in draws]
-        num_top = [rows[row][0].sampling_params.logprobs or 0 for row in draw_rows]
-        sample_logprobs = get_position_logprobs(logprobs[draw_rows], tokens, num_top)
 
-        samples_by_row: list[list[SequenceOutput]] = [[] for _ in rows]
-        for i, (row, token) in enumerate(draws):
-            samples_by_row[row].append(SequenceOutput(rows[row][1], token, sample_logprobs[i]))
-        outputs, row = [], 0
+        outputs: list[CompletionSequenceGroupOutput] = []
+        drawn: list[tuple[int, SequenceOutput]] = []  # (row, sample), in draw order
+        row = 0
         for sg in seq_groups:
-            samples = []
-            for _ in sg.seq_ids if sg.sample_indices else []:
-                samples += samples_by_row[row]
+            samples: list[SequenceOutput] = []
+            for seq_id in sg.seq_ids if sg.sample_indices else ():
+                for token in self._sample_row(sg, seq_id, processed[row], probs[row]):
+                    sample = SequenceOutput(seq_id, token, {})  # logprobs: below, all at once
+                    samples.append(sample)
+                    drawn.append((row, sample))
                 row += 1
             outputs.append(
                 CompletionSequenceGroupOutput(samples, self._prompt_logprobs(logits, sg))
             )
+
+        draw_rows = [r for r, _ in drawn]
+        sample_logprobs = get_position_logprobs(
+            logprobs[draw_rows],
+            [sample.output_token for _, sample in drawn],
+            [rows[r][0].sampling_params.logprobs or 0 for r in draw_rows],
+        )
+        for (_, sample), entry in zip(drawn, sample_logprobs, strict=True):
+            sample.logprobs = entry
         return SamplerOutput(outputs)
+
+    def _sample_row(
+        self,
+        sg: SequenceGroupToSample,
+        seq_id: int,
+        processed: torch.Tensor,  # [vocab_size]
+        probs: torch.Tensor,  # [vocab_size]
+    ) -> list[int]:
+        """The tokens one sequence samples: greedy rows take the argmax; a
+        prompt's first sample draws `best_of`, the sequences the request will
+        fork into; every other row draws one."""
+        if sg.sampling_params.sampling_type == SamplingType.GREEDY:
+            return [int(processed.argmax())]
+        first = not sg.seq_data[seq_id].output_token_ids
+        generator = sg.generator or self.generator
+        return [
+            self._draw(probs, generator)
+            for _ in range(sg.sampling_params.best_of if first else 1)
+        ]
 
     @staticmethod
     def _process_logits(
