@@ -6,6 +6,8 @@ from minivllm.entrypoints.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
+
 __all__ = [
     "LLM",
     "CompletionOutput",

@@ -133,8 +133,21 @@ class Sequence:
         # output_text yet.
         self.prefix_offset = 0
         self.read_offset = 0
-        self.status = SequenceStatus.WAITING
+        self._status = SequenceStatus.WAITING  # a new sequence, not a transition
         self.stop_reason: int | str | None = None
+
+    @property
+    def status(self) -> SequenceStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: SequenceStatus) -> None:
+        self.set_status(status)
+
+    def set_status(self, status: SequenceStatus) -> None:
+        """Every change of status comes through here (`seq.status = ...`
+        calls it), so one patch of `Sequence.set_status` watches them all."""
+        self._status = status
 
     @property
     def n_blocks(self) -> int:
