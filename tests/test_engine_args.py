@@ -10,6 +10,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 from minivllm import envs
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
@@ -113,3 +114,11 @@ def test_every_environment_variable_is_named_in_envs_only():
             readers.append(str(path.relative_to(PACKAGE)))
     assert mentioned == set(envs.ENVIRONMENT_VARIABLES)
     assert readers == []
+
+
+def test_a_variable_set_but_empty_is_refused_not_taken_as_unset(monkeypatch):
+    from minivllm.attention.selector import select_attention_backend
+
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "")
+    with pytest.raises(ValueError, match="MINIVLLM_ATTENTION_BACKEND"):
+        select_attention_backend(None, "cpu", torch.float32, 16, 16)

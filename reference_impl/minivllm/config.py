@@ -368,7 +368,9 @@ class EngineConfig:
 
 def default_cpu_kv_cache_bytes() -> int:
     """1 GiB unless MINIVLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, like vLLM's CPU backend."""
-    raw = envs.MINIVLLM_CPU_KVCACHE_SPACE or "1"
+    raw = envs.MINIVLLM_CPU_KVCACHE_SPACE
+    if raw is None:  # unset; set but empty is a mistake, refused below
+        raw = "1"
     try:
         gib = float(raw)
     except ValueError:

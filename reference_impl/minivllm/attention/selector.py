@@ -68,7 +68,9 @@ def select_attention_backend(
     if isinstance(requested, type):
         return requested
     if requested is None:
-        requested = envs.MINIVLLM_ATTENTION_BACKEND or "auto"
+        requested = envs.MINIVLLM_ATTENTION_BACKEND
+        if requested is None:  # unset; set but empty is refused below
+            requested = "auto"
     if not isinstance(requested, str) or requested not in (*ATTENTION_BACKENDS, "auto"):
         error = ValueError if isinstance(requested, str) else WrongTypeError
         raise error(
