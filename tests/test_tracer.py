@@ -4,9 +4,11 @@ executor, and a hand-worked scenario asserted field by field."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -565,3 +567,55 @@ def test_a_trace_started_mid_run_describes_the_queued_requests(tiny_model_dir, t
         "late": 0,
     }
     assert trace.lifecycles()["early"].num_output_tokens == 7  # one came before the trace
+
+
+# -- the tracer's layers ---------------------------------------------------------------
+
+# The facts: the trace model and what is derived from it. The views import
+# them, never the other way (tools/tracer/__init__.py, facts.py).
+FACT_MODULES = ("errors", "schema", "trace", "facts")
+VIEW_MODULES = ("show", "summary", "notebook", "render", "timeline", "cli", "scenario", "style")
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules `path` imports, at any depth of its code."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            if node.module == "tools.tracer":  # `from tools.tracer import show`
+                names.update(f"tools.tracer.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("module", FACT_MODULES)
+def test_the_facts_import_no_view(module):
+    imported = _imports(REPO / "tools" / "tracer" / f"{module}.py")
+    tracer = {name.split(".")[2] for name in imported if name.startswith("tools.tracer.")}
+    assert tracer <= set(FACT_MODULES), f"{module}.py imports {tracer - set(FACT_MODULES)}"
+    # Nor what only the views need (the `trace` extra): labs use the facts without it.
+    extras = {name.split(".")[0] for name in imported} & {"rich", "graphviz", "matplotlib", "yaml"}
+    assert not extras, f"{module}.py imports {extras}"
+
+
+def test_the_layers_classify_every_tracer_module():
+    modules = {p.stem for p in (REPO / "tools" / "tracer").glob("*.py")}
+    assert modules - {"__init__", "__main__"} == set(FACT_MODULES) | set(VIEW_MODULES)
+
+
+def test_schema_version_is_defined_once():
+    from tools.tracer import schema
+
+    assert schema.SCHEMA_VERSION == trace_writer.SCHEMA_VERSION
+    contract = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    assert contract["$defs"]["header"]["properties"]["schema_version"] == {
+        "const": trace_writer.SCHEMA_VERSION
+    }
+    assigned = [
+        p.name
+        for p in (REPO / "tools" / "tracer").glob("*.py")
+        if re.search(r"SCHEMA_VERSION\b[^=\n]*=\s*\d", p.read_text(encoding="utf-8"))
+    ]
+    assert assigned == []

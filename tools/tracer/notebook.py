@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tools.tracer.show import batch_summary, events
+from tools.tracer.facts import batch_summary, events
 from tools.tracer.style import MAX_POOL_CELLS, POOL_COLUMNS, SEQ_COLORS
 from tools.tracer.trace import MAX_STEPS_AT_ONCE, Trace
 

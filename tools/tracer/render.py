@@ -20,7 +20,7 @@ from typing import Any
 import graphviz
 
 from tools.tracer.errors import TracerError
-from tools.tracer.show import ref_counts
+from tools.tracer.facts import block_owners, ref_counts
 from tools.tracer.style import MAX_POOL_CELLS, POOL_COLUMNS, seq_color
 from tools.tracer.trace import Trace
 
@@ -123,12 +123,8 @@ def step_graph(trace: Trace, n: int) -> graphviz.Digraph:
     graph.attr("node", shape="plain", fontname="Helvetica", fontsize="10")
     graph.node("queues", _queues_label(step))
 
-    owners: dict[str, dict[int, list[int]]] = {"gpu": {}, "cpu": {}}
+    owners = block_owners(step)
     tables = step["block_tables"]
-    for seq_id, table in tables.items():
-        device = "cpu" if step["seqs"][seq_id]["status"] == "swapped" else "gpu"
-        for block in table:
-            owners[device].setdefault(block, []).append(int(seq_id))
     for seq_id, table in tables.items():  # waiting sequences have none: see the queues
         graph.node(f"seq{seq_id}", _seq_label(seq_id, step["seqs"][seq_id], table))
 
@@ -154,6 +150,11 @@ def step_graph(trace: Trace, n: int) -> graphviz.Digraph:
             for i, block in enumerate(table):
                 graph.edge(f"seq{seq_id}:l{i}", f"{device}:b{block}", color=seq_color(int(seq_id)))
     return graph
+
+
+def step_svg(trace: Trace, n: int) -> str:
+    """Step `n`'s diagram as SVG text: how a `StepView` draws in Jupyter."""
+    return step_graph(trace, n).pipe(format="svg").decode()
 
 
 def check_image_format(out: str | Path) -> str:

@@ -31,7 +31,6 @@ from typing import Any
 from tools.tracer.errors import TraceError
 
 SCHEMA_PATH = Path(__file__).with_name("trace_schema.json")
-SCHEMA_VERSION = 1
 LINE_TYPES = ("header", "request", "step")
 
 
@@ -265,12 +264,25 @@ _KEYWORDS = set(
 
 
 @cache
+def contract() -> dict[str, Any]:
+    """trace_schema.json, as read."""
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+# The version this tracer reads: the header's `const` in the contract, not a
+# number of its own. The engine writes its SCHEMA_VERSION
+# (minivllm/engine/trace_writer.py, which cannot import tools/), and a test
+# checks the two agree. Importing it from minivllm instead would load torch
+# (seconds) into every `minivllm-trace show`.
+SCHEMA_VERSION: int = contract()["$defs"]["header"]["properties"]["schema_version"]["const"]
+
+
+@cache
 def line_checks() -> dict[str, Check]:
     """Line type -> the check of `$defs/<type>` in trace_schema.json. The
     schema's top level is "one of" those; dispatching on `type` gives the
     error of the line's own kind rather than "none of three matched"."""
-    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-    defs, done = schema["$defs"], {}
+    defs, done = contract()["$defs"], {}
     return {kind: _compile({"$ref": f"#/$defs/{kind}"}, defs, done) for kind in LINE_TYPES}
 
 

@@ -16,6 +16,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from tools.tracer.facts import batch_summary, block_owners, events, ref_counts
 from tools.tracer.style import seq_color
 from tools.tracer.trace import Trace
 
@@ -51,36 +52,6 @@ def abbreviate(values: list[int], head: int = 6, tail: int = 2) -> str:
 
 def _queue_text(ids: list[str]) -> str:
     return " ".join(ids) if ids else "-"
-
-
-def events(step: dict[str, Any]) -> list[str]:
-    """The step's notable events, in words."""
-    out = [f"preempt {p['request_id']} ({p['mode']})" for p in step["preempted"]]
-    out += [f"ignore {rid}" for rid in step["ignored"]]
-    if step["swap_out"]:
-        out.append(f"swap out {len(step['swap_out'])} blocks")
-    if step["swap_in"]:
-        out.append(f"swap in {len(step['swap_in'])} blocks")
-    if step["copy"]:
-        out.append(f"copy-on-write {len(step['copy'])} blocks")
-    if step["prefix_cache"] and step["prefix_cache"]["hits"]:
-        out.append(f"prefix cache {step['prefix_cache']['hits']} blocks hit")
-    out += [f"finish {f['request_id']} ({f['finish_reason']})" for f in step["finished"]]
-    return out
-
-
-def batch_summary(step: dict[str, Any]) -> str:
-    """"P A:100, D B": the batch by request, prefill (P, with tokens) or decode (D)."""
-    parts, seen = [], set()
-    for e in step["scheduled"]:
-        if e["request_id"] in seen:
-            continue
-        seen.add(e["request_id"])
-        if e["is_prefill"]:
-            parts.append(f"P {e['request_id']}:{e['num_tokens']}")
-        else:
-            parts.append(f"D {e['request_id']}")
-    return ", ".join(parts) or "(empty)"
 
 
 def overview(trace: Trace, steps: range | None = None) -> Table:
@@ -140,28 +111,13 @@ def _batch_table(step: dict[str, Any]) -> Table:
     return table
 
 
-def ref_counts(step: dict[str, Any]) -> dict[int, int]:
-    """Device block -> how many sequences map it (swapped sequences' tables
-    are CPU blocks and do not count)."""
-    counts: dict[int, int] = {}
-    for seq_id, table in step["block_tables"].items():
-        if step["seqs"][seq_id]["status"] != "swapped":
-            for block in table:
-                counts[block] = counts.get(block, 0) + 1
-    return counts
-
-
 def _pool_strip(trace: Trace, step: dict[str, Any]) -> Text:
     """The device pool, one cell per block, coloured by the first sequence
     that maps it; a shared block shows its ref count instead of a square."""
     if trace.num_gpu_blocks > _POOL_STRIP_MAX:
         used = trace.num_gpu_blocks - step["free_blocks"]["gpu"]
         return Text(f"device pool: {used} of {trace.num_gpu_blocks} blocks in use")
-    owner: dict[int, int] = {}
-    for seq_id, table in step["block_tables"].items():
-        if step["seqs"][seq_id]["status"] != "swapped":
-            for block in table:
-                owner.setdefault(block, int(seq_id))
+    owner = {block: seqs[0] for block, seqs in block_owners(step)["gpu"].items()}
     refs = ref_counts(step)
     strip = Text("device pool: ")
     for block in range(trace.num_gpu_blocks):

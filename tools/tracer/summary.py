@@ -15,8 +15,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from tools.tracer.facts import run_totals, ttft_ms, ttft_steps, utilisation
 from tools.tracer.show import add_plain_row
-from tools.tracer.trace import Lifecycle, Trace
+from tools.tracer.trace import Trace
 
 _SPARKS = " ▁▂▃▄▅▆▇█"
 _COLUMNS = (
@@ -47,27 +48,12 @@ def sparkline(values: list[float], width: int = _SPARK_WIDTH) -> str:
     return "".join(chars)
 
 
-def ttft_ms(trace: Trace, life: Lifecycle) -> float | None:
-    """Measured step time from the arrival step to the first token's, inclusive."""
-    if life.first_token_step is None:
-        return None
-    steps = trace.steps[life.arrival_step : life.first_token_step + 1]
-    return sum(trace.step_ms(s) for s in steps)
-
-
-def utilisation(trace: Trace) -> list[float]:
-    """Per step: the share of device blocks in use after it."""
-    total = trace.num_gpu_blocks
-    return [(total - s["free_blocks"]["gpu"]) / total for s in trace.steps]
-
-
 def request_table(trace: Trace) -> Table:
     table = Table(title="requests", title_justify="left")
     for name in _COLUMNS:
         table.add_column(name, justify="left" if name in ("request", "finished") else "right")
     for life in trace.lifecycles().values():
-        ttft = ttft_ms(trace, life)
-        first = life.first_token_step
+        ttft, ttft_in_steps = ttft_ms(trace, life), ttft_steps(life)
         add_plain_row(
             table,
             life.request_id,
@@ -75,7 +61,7 @@ def request_table(trace: Trace) -> Table:
             str(life.num_output_tokens),
             str(life.arrival_step),
             str(life.steps_waited),
-            "-" if first is None else str(first - life.arrival_step + 1),
+            "-" if ttft_in_steps is None else str(ttft_in_steps),
             "-" if ttft is None else f"{ttft:.2f}",
             ", ".join(mode for _, mode in life.preemptions) or "-",
             str(life.prefix_cache_hit_tokens),
@@ -85,20 +71,17 @@ def request_table(trace: Trace) -> Table:
 
 
 def totals(trace: Trace) -> Table:
-    steps = trace.steps
-    prefill = sum(e["num_tokens"] for s in steps for e in s["scheduled"] if e["is_prefill"])
-    decode = sum(e["num_tokens"] for s in steps for e in s["scheduled"] if not e["is_prefill"])
-    modes = [p["mode"] for s in steps for p in s["preempted"]]
-    queries = sum(s["prefix_cache"]["queries"] for s in steps if s["prefix_cache"])
-    hits = sum(s["prefix_cache"]["hits"] for s in steps if s["prefix_cache"])
+    t = run_totals(trace)
     used = utilisation(trace)
-    num_finished = sum(len(s["finished"]) for s in steps)
-    moved = {k: sum(len(s[k]) for s in steps) for k in ("swap_out", "swap_in", "copy")}
+    moved = t.blocks_moved
     rows = [
-        ("steps", f"{len(steps)} ({sum(trace.step_ms(s) for s in steps):.1f} ms measured)"),
-        ("requests", f"{len(trace.requests)}, {num_finished} finished"),
-        ("tokens computed", f"{prefill} prefill + {decode} decode"),
-        ("preemptions", f"{modes.count('recompute')} recompute, {modes.count('swap')} swap"),
+        ("steps", f"{t.num_steps} ({t.measured_ms:.1f} ms measured)"),
+        ("requests", f"{t.num_requests}, {t.num_finished} finished"),
+        ("tokens computed", f"{t.prefill_tokens} prefill + {t.decode_tokens} decode"),
+        (
+            "preemptions",
+            f"{t.preemptions['recompute']} recompute, {t.preemptions['swap']} swap",
+        ),
         (
             "blocks moved",
             f"{moved['swap_out']} swapped out, {moved['swap_in']} swapped in, "
@@ -106,6 +89,7 @@ def totals(trace: Trace) -> Table:
         ),
     ]
     if trace.header["cache_config"]["enable_prefix_caching"]:
+        hits, queries = t.prefix_cache_hits, t.prefix_cache_queries
         rate = f"{hits / queries:.0%}" if queries else "-"
         rows.append(("prefix cache", f"{hits} of {queries} blocks looked up were hits ({rate})"))
     if used:

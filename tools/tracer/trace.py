@@ -1,6 +1,16 @@
 """Reading a trace back: `load_trace(path) -> Trace`, and what each request
 went through, step by step (`Trace.lifecycles()`), for the views.
 
+This is the bottom of the tracer, with schema.py and errors.py; facts.py
+derives figures from it, and the views (show, summary, notebook, render,
+timeline) draw both. It imports no view, not even inside a function (a
+test parses the imports). Yet in Jupyter a `Trace` displays as a table of
+its steps and `trace.step(n)` as a diagram: those two display methods call
+whatever the views registered with `set_display`, which the package does
+(tools/tracer/__init__.py) when it is first imported, and so before this
+module can be. With nothing registered they return None and Jupyter shows
+the plain repr.
+
 A trace is JSON Lines (format: SCHEMA.md), read and checked line by line by
 `schema.read_trace`: a trace that loads is valid, so the views can trust
 every field. A run that was killed may have left its last line
@@ -10,6 +20,7 @@ before it is kept.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +33,18 @@ from tools.tracer.schema import read_trace
 # they get slow to make and to read, and a long run's steps are better seen
 # a range at a time.
 MAX_STEPS_AT_ONCE = 2000
+
+# The display hooks (see the docstring): "trace_html" (Trace) -> HTML,
+# "step_svg" (Trace, step number) -> SVG.
+_display: dict[str, Callable[..., str]] = {}
+
+
+def set_display(
+    trace_html: Callable[[Trace], str], step_svg: Callable[[Trace, int], str]
+) -> None:
+    """How Jupyter draws a Trace and a StepView; set by the views package."""
+    _display.update(trace_html=trace_html, step_svg=step_svg)
+
 
 # What a request is doing in a step (the timeline's colours).
 WAITING = "waiting"  # in the waiting queue: not admitted, or preempted by RECOMPUTE
@@ -155,10 +178,9 @@ class Trace:
             f"block_size {self.block_size}, {self.num_gpu_blocks} GPU blocks>"
         )
 
-    def _repr_html_(self) -> str:
-        from tools.tracer.notebook import trace_html
-
-        return trace_html(self)
+    def _repr_html_(self) -> str | None:
+        draw = _display.get("trace_html")
+        return None if draw is None else draw(self)
 
 
 @dataclass
@@ -168,10 +190,9 @@ class StepView:
     trace: Trace = field(repr=False)
     n: int
 
-    def _repr_svg_(self) -> str:
-        from tools.tracer.render import step_graph
-
-        return step_graph(self.trace, self.n).pipe(format="svg").decode()
+    def _repr_svg_(self) -> str | None:
+        draw = _display.get("step_svg")
+        return None if draw is None else draw(self.trace, self.n)
 
 
 def load_trace(path: str | Path) -> Trace:

@@ -31,6 +31,9 @@ from minivllm.sequence import SequenceGroup
 if TYPE_CHECKING:
     from minivllm.engine.llm_engine import LLMEngine
 
+# The format's version, the one number in Python: the tracer
+# (tools/tracer/schema.py) reads the version trace_schema.json names, and
+# tests/test_tracer.py checks that it is this one.
 SCHEMA_VERSION = 1
 
 
