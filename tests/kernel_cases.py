@@ -39,7 +39,10 @@ class DecodeCase:
         """The PyTorch backend's decode (gather, mask, softmax in float32)."""
         _, num_heads, head_size = self.query.shape
         impl = TorchPagedAttention(num_heads, head_size, self.scale, self.num_kv_heads)
-        return impl._decode(self.query, self.kv_cache, self.block_tables, self.seq_lens)
+        max_seq_len = int(self.seq_lens.max())
+        return impl.forward_decode(
+            self.query, self.kv_cache, self.block_tables, self.seq_lens, max_seq_len
+        )
 
 
 def make_decode_case(

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from minivllm.attention.backends.abstract import AttentionBackend
+from minivllm.attention.backends.torch_paged import TorchAttentionBackend, TorchPagedAttention
+from minivllm.attention.selector import resolve_attn_backend
 from minivllm.core.block_manager import BlockSpaceManager
 from tests.engine_spies import RecordingScheduler
 
@@ -36,9 +38,9 @@ class CountingBlockManager(BlockSpaceManager):
 class RecordingAttention(TorchPagedAttention):
     decodes = 0
 
-    def _decode(self, query, kv_cache, block_tables, seq_lens):
+    def forward_decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len):
         RecordingAttention.decodes += 1
-        return super()._decode(query, kv_cache, block_tables, seq_lens)
+        return super().forward_decode(query, kv_cache, block_tables, seq_lens, max_seq_len)
 
 
 def token_ids(llm: LLM) -> list[list[int]]:
@@ -78,6 +80,45 @@ def test_attention_backend_class(tiny_model_dir, reference):
     llm = LLM(tiny_model_dir("llama"), attention_backend=RecordingAttention)
     assert token_ids(llm) == reference
     assert RecordingAttention.decodes == 11 * 2  # 11 decode steps x 2 layers
+
+
+class RecordingBackend(TorchAttentionBackend):
+    copies: list[list[tuple[int, int]]] = []
+
+    @staticmethod
+    def get_impl_cls():
+        return RecordingAttention
+
+    @staticmethod
+    def copy_blocks(kv_caches, pairs):
+        RecordingBackend.copies.append(list(pairs))
+        TorchAttentionBackend.copy_blocks(kv_caches, pairs)
+
+
+def test_attention_backend_names_impl_and_cache_operations():
+    for name in ("torch", "numba", "cuda"):
+        backend = resolve_attn_backend(name)
+        assert issubclass(backend, AttentionBackend) and backend.get_name() == name
+    # An implementation class gets the torch backend's cache operations, one wrapper per class.
+    wrapped = resolve_attn_backend(RecordingAttention)
+    assert issubclass(wrapped, TorchAttentionBackend)
+    assert wrapped.get_impl_cls() is RecordingAttention
+    assert resolve_attn_backend(RecordingAttention) is wrapped
+    assert resolve_attn_backend(RecordingBackend) is RecordingBackend
+
+
+def test_attention_backend_subclass_runs_impl_and_copy_blocks(tiny_model_dir, reference):
+    RecordingAttention.decodes = 0
+    RecordingBackend.copies = []
+    llm = LLM(tiny_model_dir("llama"), attention_backend=RecordingBackend)
+    assert token_ids(llm) == reference
+    assert RecordingAttention.decodes == 11 * 2
+    assert not RecordingBackend.copies  # n=1: no block is shared, nothing copied
+    # n=2 after a 5-token prompt in blocks of 16: both samples write into the
+    # shared last block, so the engine copies it on write through the backend.
+    params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=4, ignore_eos=True)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert RecordingBackend.copies
 
 
 def test_bad_component_names_the_option(tiny_model_dir):

@@ -98,7 +98,9 @@ def bench_gpu(batches, contexts, repeats) -> list[dict]:
                 if context <= ops.V1_MAX_SEQ_LEN
                 else float("nan"),
                 "v2": time_it(partial(ops.paged_attention_v2, *args), "cuda", repeats),
-                "torch_gather": time_it(partial(ref._decode, q, kv, tables, lens), "cuda", repeats),
+                "torch_gather": time_it(
+                    partial(ref.forward_decode, q, kv, tables, lens, context), "cuda", repeats
+                ),
                 "sdpa_contiguous": time_it(
                     partial(F.scaled_dot_product_attention, q4, k, v, enable_gqa=True),
                     "cuda",
@@ -128,8 +130,9 @@ def bench_cpu(batches, contexts, repeats) -> list[dict]:
     for batch in batches:
         for context in contexts:
             q, kv, tables, lens = make_inputs(batch, context, nh, nkv, hs, bs, dtype, "cpu")
-            t_ref = time_it(partial(ref._decode, q, kv, tables, lens), "cpu", repeats)
-            t_numba = time_it(partial(fast._decode, q, kv, tables, lens), "cpu", repeats)
+            args = (q, kv, tables, lens, context)
+            t_ref = time_it(partial(ref.forward_decode, *args), "cpu", repeats)
+            t_numba = time_it(partial(fast.forward_decode, *args), "cpu", repeats)
             gbytes = moved_bytes(batch, context, nh, nkv, hs, dtype)
             rows.append(
                 dict(

@@ -51,6 +51,27 @@ def write_to_kv_cache(
     flat[1, slots] = value[valid]
 
 
+def swap_blocks(
+    src_cache: torch.Tensor,  # one layer, [2, num_blocks, ...], on one device
+    dst_cache: torch.Tensor,  # one layer, same layout, maybe on another device
+    pairs: list[tuple[int, int]],  # (src block, dst block)
+) -> None:
+    """Copy whole blocks, K and V, from one layer's cache to another's."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], device=src_cache.device)
+    dst = torch.tensor([d for _, d in pairs], device=dst_cache.device)
+    # Both K and V: dim 1 is the block number.
+    dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write in every layer: block src onto block dst of the same cache
+    (vLLM's copy_blocks; `_custom_ops.copy_blocks` is the CUDA kernel)."""
+    for layer in kv_caches:
+        swap_blocks(layer, layer, pairs)
+
+
 def gather_kv(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int64

@@ -1,8 +1,9 @@
 """`Attention`: the layer every model calls; it caches K/V then attends.
 
 The model hands it this step's projected q, k, v for every token in the
-batch. It writes k and v into the paged cache at `slot_mapping`, then lets
-the backend compute attention reading K/V back through the block tables.
+batch. Its `AttentionImpl` writes k and v into the paged cache at
+`slot_mapping`, then computes attention reading K/V back through the block
+tables.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
-        # The backend chosen by the engine (attention/selector.py).
-        self.impl = get_attn_backend()(num_heads, head_size, scale, self.num_kv_heads)
+        # The implementation of the backend chosen by the engine (attention/selector.py).
+        impl_cls = get_attn_backend().get_impl_cls()
+        self.impl = impl_cls(num_heads, head_size, scale, self.num_kv_heads)
 
     def forward(
         self,
@@ -37,7 +39,6 @@ class Attention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_size)
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        # The kv_cache.py ordering rule: the whole batch's K/V first, then attention.
-        self.impl.write_to_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-        output = self.impl.forward(query, kv_cache, attn_metadata)
+        # The impl writes key/value into kv_cache, then attends (AttentionImpl.forward).
+        output = self.impl.forward(query, key, value, kv_cache, attn_metadata)
         return output.view(num_tokens, self.num_heads * self.head_size)

@@ -17,11 +17,19 @@ The engine resolves the name once (`select_attention_backend`), then builds the
 model inside `set_attn_backend(name)`, so that every `Attention` layer picks
 the same implementation without models passing it down (vLLM does the same
 with its current-config context).
+
+A name stands for an `AttentionBackend` class (`backends/abstract.py`): the
+layers build its `get_impl_cls()`, the cache engine moves blocks with its
+`swap_blocks` and `copy_blocks`. A class may be given instead of a name: an
+`AttentionBackend` subclass is used as it is; any other class is taken as an
+`AttentionImpl` (such as a learner's `TorchPagedAttention` subclass in the
+labs) and gets the torch backend's cache operations.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -30,7 +38,8 @@ import torch
 
 from minivllm import _custom_ops as ops
 from minivllm import envs
-from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from minivllm.attention.backends.abstract import AttentionBackend, AttentionImpl
+from minivllm.attention.backends.torch_paged import TorchAttentionBackend
 from minivllm.utils import WrongTypeError, show
 
 ATTENTION_BACKENDS = ("torch", "numba", "cuda")
@@ -63,8 +72,8 @@ def select_attention_backend(
     requested: str | type | None, device: str, dtype: torch.dtype, head_size: int, block_size: int
 ) -> str | type:
     """Resolve `requested` (None: the environment variable, else "auto") to a
-    backend name. A class is used as it is: an implementation with
-    TorchPagedAttention's interface, such as a learner's in the labs."""
+    backend name. A class is used as it is: an `AttentionBackend`, or an
+    `AttentionImpl` such as a learner's in the labs (see the module docstring)."""
     if isinstance(requested, type):
         return requested
     if requested is None:
@@ -106,18 +115,41 @@ def set_attn_backend(name: str | type) -> Iterator[None]:
         _current_backend.reset(token)
 
 
-def get_attn_backend() -> type[TorchPagedAttention]:
-    """The implementation class of the current backend (the reference outside
-    `set_attn_backend`)."""
-    name = _current_backend.get()
-    if isinstance(name, type):
-        return name
-    if name == "numba":
-        from minivllm.attention.backends.numba_paged import NumbaPagedAttention
+def get_attn_backend() -> type[AttentionBackend]:
+    """The backend class in effect (the reference outside `set_attn_backend`)."""
+    return resolve_attn_backend(_current_backend.get())
 
-        return NumbaPagedAttention
-    if name == "cuda":
-        from minivllm.attention.backends.cuda_paged import CudaPagedAttention
 
-        return CudaPagedAttention
-    return TorchPagedAttention
+def resolve_attn_backend(choice: str | type) -> type[AttentionBackend]:
+    """The `AttentionBackend` class for a resolved choice: a backend name, a
+    backend class, or an implementation class (wrapped, see the docstring)."""
+    if isinstance(choice, type):
+        if issubclass(choice, AttentionBackend):
+            return choice
+        return _backend_for_impl(choice)
+    if choice == "numba":
+        from minivllm.attention.backends.numba_paged import NumbaAttentionBackend
+
+        return NumbaAttentionBackend
+    if choice == "cuda":
+        from minivllm.attention.backends.cuda_paged import CudaAttentionBackend
+
+        return CudaAttentionBackend
+    return TorchAttentionBackend
+
+
+@functools.cache
+def _backend_for_impl(impl_cls: type[AttentionImpl]) -> type[AttentionBackend]:
+    """A torch backend whose layers build `impl_cls` (one class per impl_cls)."""
+
+    def get_impl_cls() -> type[AttentionImpl]:
+        return impl_cls
+
+    def get_name() -> str:
+        return impl_cls.__name__
+
+    return type(
+        f"{impl_cls.__name__}Backend",
+        (TorchAttentionBackend,),
+        {"get_impl_cls": staticmethod(get_impl_cls), "get_name": staticmethod(get_name)},
+    )

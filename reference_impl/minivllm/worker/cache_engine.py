@@ -2,15 +2,15 @@
 
 Allocated once at start-up: per layer, one device tensor in the layout of
 `attention/kv_cache.py` (the device pool) and one CPU tensor of the same
-layout (the swap pool). The block manager decides; this class moves bytes.
+layout (the swap pool). The block manager decides; this class moves bytes,
+with the chosen attention backend's `swap_blocks` and `copy_blocks`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minivllm import _custom_ops as ops
-from minivllm.attention.kv_cache import get_kv_cache_shape
+from minivllm.attention.selector import resolve_attn_backend
 from minivllm.config import CacheConfig, ModelConfig
 
 
@@ -23,7 +23,7 @@ class CacheEngine:
         self.num_kv_heads = model_config.get_num_kv_heads()
         self.head_size = model_config.get_head_size()
         self.dtype = model_config.dtype
-        self.attention_backend = model_config.attention_backend
+        self.attn_backend = resolve_attn_backend(model_config.attention_backend)
         self.gpu_cache = self._allocate(cache_config.num_gpu_blocks, device)
         # Pinned host memory makes device<->host copies asynchronous on a GPU.
         pin = device.type == "cuda"
@@ -32,41 +32,38 @@ class CacheEngine:
     def _allocate(
         self, num_blocks: int, device: torch.device, pin_memory: bool = False
     ) -> list[torch.Tensor]:
-        shape = get_kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        )
         # torch.empty: pages are only touched when a block is first written.
         return [
             torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
             for _ in range(self.num_layers)
         ]
 
-    @staticmethod
-    def _copy_blocks(
+    def _swap(
+        self,
         src_cache: list[torch.Tensor],
         dst_cache: list[torch.Tensor],
         pairs: list[tuple[int, int]],
     ) -> None:
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=src_cache[0].device)
-        dst = torch.tensor([d for _, d in pairs], device=dst_cache[0].device)
         for src_layer, dst_layer in zip(src_cache, dst_cache, strict=True):
-            # Both K and V: dim 1 is the block number.
-            dst_layer[:, dst] = src_layer[:, src].to(dst_layer.device, non_blocking=True)
+            self.attn_backend.swap_blocks(src_layer, dst_layer, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu block, gpu block) pairs: CPU pool -> device pool."""
-        self._copy_blocks(self.cpu_cache, self.gpu_cache, pairs)
+        self._swap(self.cpu_cache, self.gpu_cache, pairs)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(gpu block, cpu block) pairs: device pool -> CPU pool."""
-        self._copy_blocks(self.gpu_cache, self.cpu_cache, pairs)
+        self._swap(self.gpu_cache, self.cpu_cache, pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device blocks: copy-on-write of shared blocks."""
-        if self.attention_backend == "cuda":
-            ops.copy_blocks(self.gpu_cache, pairs)
-        else:
-            self._copy_blocks(self.gpu_cache, self.gpu_cache, pairs)
+        if pairs:
+            self.attn_backend.copy_blocks(self.gpu_cache, pairs)
 
     @staticmethod
     def get_cache_block_size(block_size: int, model_config: ModelConfig) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention import AttentionMetadata
+from minivllm.attention.selector import resolve_attn_backend
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
 from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
 from minivllm.model_executor.model_loader import get_model
@@ -107,6 +108,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.device = device_config.torch_device
         self.sampler = Sampler(seed=model_config.seed)
+        # The backend names the metadata class its layers read.
+        self.attn_backend = resolve_attn_backend(model_config.attention_backend)
         self.model: torch.nn.Module | None = None
 
     def load_model(self) -> None:
@@ -122,7 +125,7 @@ class ModelRunner:
         def as_tensor(values, dtype=torch.long) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        attn_metadata = AttentionMetadata(
+        attn_metadata = self.attn_backend.get_metadata_cls()(
             num_prefills=batch.num_prefills,
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=len(batch.input_ids) - batch.num_prefill_tokens,

@@ -183,19 +183,19 @@ def exercise_4(backend_cls) -> None:
         raise AssertionError(
             f"pass the class itself (attention_backend=MyAttention), not {backend_cls!r}"
         )
-    if getattr(backend_cls, "_decode", None) is TorchPagedAttention._decode:
+    if getattr(backend_cls, "forward_decode", None) is TorchPagedAttention.forward_decode:
         raise AssertionError(
-            f"{backend_cls.__name__} does not override _decode: the engine would run the "
-            "reference's decode, not yours. Define _decode(self, query, kv_cache, block_tables, "
-            "seq_lens) and call your paged decode there."
+            f"{backend_cls.__name__} does not override forward_decode: the engine would run the "
+            "reference's decode, not yours. Define forward_decode(self, query, kv_cache, "
+            "block_tables, seq_lens, max_seq_len) and call your paged decode there."
         )
     calls = {"decode": 0}
     backend = backend_cls
-    if hasattr(backend_cls, "_decode"):
-        original = backend_cls._decode
+    if hasattr(backend_cls, "forward_decode"):
+        original = backend_cls.forward_decode
 
         class Counting(backend_cls):  # counts the learner's decodes, changes nothing
-            def _decode(self, *args, **kwargs):
+            def forward_decode(self, *args, **kwargs):
                 calls["decode"] += 1
                 return original(self, *args, **kwargs)
 
@@ -208,7 +208,9 @@ def exercise_4(backend_cls) -> None:
     # A small cache (16 blocks of 16 tokens), so that tables are short and reused.
     got = _tokens(backend, num_gpu_blocks_override=16)
     if calls["decode"] == 0:
-        raise AssertionError(f"{backend_cls.__name__}._decode was never called by the engine")
+        raise AssertionError(
+            f"{backend_cls.__name__}.forward_decode was never called by the engine"
+        )
     for prompt, ref, mine in zip(PROMPTS, _reference_tokens, got, strict=True):
         if ref != mine:
             i = next(i for i, (a, b) in enumerate(zip(ref, mine, strict=False)) if a != b)

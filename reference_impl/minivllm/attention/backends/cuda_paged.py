@@ -1,7 +1,8 @@
 """`attention_backend="cuda"`: the CUDA kernels of `csrc/` (see `_custom_ops.py`).
 
 K/V are written by `reshape_and_cache`; decodes run `paged_attention_v1` or
-`_v2`; prefills keep the PyTorch reference path on the GPU.
+`_v2`; prefills keep the PyTorch reference path on the GPU. Copy-on-write
+runs the `copy_blocks` kernel; swapping (device <-> host) stays a torch copy.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from minivllm import _custom_ops as ops
-from minivllm.attention.backends.abstract import AttentionMetadata
-from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from minivllm.attention.backends.abstract import AttentionImpl
+from minivllm.attention.backends.torch_paged import TorchAttentionBackend, TorchPagedAttention
 
 
 def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
@@ -25,28 +26,19 @@ def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
 class CudaPagedAttention(TorchPagedAttention):
     write_to_kv_cache = staticmethod(ops.reshape_and_cache)
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        # The kernels' launch size needs the longest decode context. The
-        # metadata has it on the host; seq_lens.max() on the GPU tensor would
-        # stall the CPU until the GPU caught up, once per layer.
-        self.max_decode_seq_len = attn_metadata.max_decode_seq_len
-        return super().forward(query, kv_cache, attn_metadata)
-
-    def _decode(
+    def forward_decode(
         self,
         query: torch.Tensor,  # [num_decodes, num_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         block_tables: torch.Tensor,  # [num_decodes, max_blocks]
         seq_lens: torch.Tensor,  # [num_decodes]
+        max_seq_len: int,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
+        # The kernels' launch size needs the longest decode context: the
+        # metadata's host-side value, since seq_lens.max() on the GPU tensor
+        # would stall the CPU until the GPU caught up, once per layer.
         query = query.contiguous()
         out = torch.empty_like(query)
-        max_seq_len = self.max_decode_seq_len
         if use_v1(max_seq_len, num_seqs=query.shape[0], num_heads=query.shape[1]):
             kernel = ops.paged_attention_v1
         else:
@@ -55,3 +47,17 @@ class CudaPagedAttention(TorchPagedAttention):
             out, query, kv_cache[0], kv_cache[1], block_tables, seq_lens, self.scale, max_seq_len
         )
         return out
+
+
+class CudaAttentionBackend(TorchAttentionBackend):
+    """The CUDA kernels for attention and copy-on-write; swaps by torch copies."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "cuda"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return CudaPagedAttention
+
+    copy_blocks = staticmethod(ops.copy_blocks)

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from minivllm.attention.backends.abstract import AttentionImpl
+from minivllm.attention.backends.torch_paged import TorchAttentionBackend, TorchPagedAttention
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
 
 
 class NumbaPagedAttention(TorchPagedAttention):
-    def _decode(
+    def forward_decode(
         self,
         query: torch.Tensor,  # [num_decodes, num_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         block_tables: torch.Tensor,  # [num_decodes, max_blocks]
         seq_lens: torch.Tensor,  # [num_decodes]
+        max_seq_len: int,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
         out = torch.empty_like(query)
         # .numpy() shares memory with the CPU tensors: no copies.
@@ -33,3 +35,15 @@ class NumbaPagedAttention(TorchPagedAttention):
             self.scale,
         )
         return out
+
+
+class NumbaAttentionBackend(TorchAttentionBackend):
+    """The reference's cache operations (CPU tensors), the Numba decode."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "numba"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return NumbaPagedAttention

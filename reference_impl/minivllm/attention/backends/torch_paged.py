@@ -10,53 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention.backends.abstract import AttentionMetadata
-from minivllm.attention.kv_cache import gather_kv, write_to_kv_cache
+from minivllm.attention import kv_cache as cache_ops
+from minivllm.attention.backends.abstract import AttentionBackend, AttentionImpl
+from minivllm.attention.kv_cache import gather_kv
 
 
-class TorchPagedAttention:
-    """Causal attention over a mixed prefill + decode batch with GQA."""
+class TorchPagedAttention(AttentionImpl):
+    """Causal attention over a mixed prefill + decode batch with GQA.
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
-        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads
-        self.num_queries_per_kv = num_heads // num_kv_heads
+    `forward` (from `AttentionImpl`) writes the K/V, then calls the two
+    halves below."""
 
-    # Storing this step's K/V at their slots; the CUDA backend swaps in its kernel.
-    write_to_kv_cache = staticmethod(write_to_kv_cache)
-
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        output = torch.empty_like(query)
-        n_prefill_tokens = attn_metadata.num_prefill_tokens
-        for i in range(attn_metadata.num_prefills):
-            start = attn_metadata.query_start_loc[i]
-            end = attn_metadata.query_start_loc[i + 1]
-            output[start:end] = self._prefill_one(
-                query[start:end],
-                kv_cache,
-                attn_metadata.block_tables[i : i + 1],
-                attn_metadata.context_lens[i],
-                attn_metadata.seq_lens[i],
-            )
-        if attn_metadata.num_decode_tokens:
-            p = attn_metadata.num_prefills
-            output[n_prefill_tokens:] = self._decode(
-                query[n_prefill_tokens:],
-                kv_cache,
-                attn_metadata.block_tables[p:],
-                attn_metadata.seq_lens_tensor[p:],
-            )
-        return output
-
-    def _prefill_one(
+    def forward_prefill(
         self,
         query: torch.Tensor,  # [q_len, num_heads, head_size]
         kv_cache: torch.Tensor,
@@ -82,12 +47,13 @@ class TorchPagedAttention:
         out = torch.einsum("kgqs,skd->qkgd", probs, values.float())
         return out.reshape(q_len, self.num_heads, self.head_size).to(query.dtype)
 
-    def _decode(
+    def forward_decode(
         self,
         query: torch.Tensor,  # [num_decodes, num_heads, head_size]
         kv_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [num_decodes, max_blocks]
         seq_lens: torch.Tensor,  # [num_decodes]
+        max_seq_len: int,
     ) -> torch.Tensor:
         """All decodes at once: one query token each, padded to the longest."""
         keys, values = gather_kv(kv_cache, block_tables)  # [B, max_len, kv_heads, head]
@@ -104,3 +70,18 @@ class TorchPagedAttention:
         values = values.float().masked_fill(beyond[:, :, None, None], 0.0)
         out = torch.einsum("bkgs,bskd->bkgd", probs, values)
         return out.reshape(b, self.num_heads, self.head_size).to(query.dtype)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """`attention_backend="torch"`: the reference, and block copies by indexing."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "torch"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchPagedAttention
+
+    swap_blocks = staticmethod(cache_ops.swap_blocks)
+    copy_blocks = staticmethod(cache_ops.copy_blocks)
