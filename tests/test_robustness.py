@@ -122,9 +122,8 @@ def test_numba_kernel_refuses_out_of_bounds_tables(edit, message):
 
 
 def test_batch_builder_refuses_a_multi_token_decode():
-    seq_data = SamplingParams()
     meta = SequenceGroupMetadata(
-        request_id="r", is_prompt=False, seq_data={}, sampling_params=seq_data,
+        request_id="r", is_prompt=False, seq_data={}, sampling_params=SamplingParams(),
         block_tables={}, token_chunk_size=22,
     )
     with pytest.raises(ValueError, match="request r: a decode computes 1 token per sequence"):
