@@ -619,3 +619,69 @@ def test_schema_version_is_defined_once():
         if re.search(r"SCHEMA_VERSION\b[^=\n]*=\s*\d", p.read_text(encoding="utf-8"))
     ]
     assert assigned == []
+
+
+def test_step_record_carries_the_model_input_and_the_forks(tiny_model_dir):
+    """The record's batch is the very FlatBatch the model runner turned into
+    the model's tensors, and its samples are the engine's own pairing: an
+    n=3 prompt's first sample names the parent and the two children forked
+    from it, each with the token it got."""
+    llm = LLM(tiny_model_dir("llama"))
+    engine = llm.llm_engine
+    runner = engine.worker.model_runner
+    inputs = []
+    prepare = runner.prepare_model_input
+
+    def spying_prepare(seq_group_metadata_list):
+        inputs.append(prepare(seq_group_metadata_list))
+        return inputs[-1]
+
+    runner.prepare_model_input = spying_prepare
+
+    class Recorder:
+        records: list = []
+
+        def on_add_request(self, engine, seq_group):
+            pass
+
+        def on_step(self, engine, record):
+            self.records.append((record, trace_writer._sampled(record)))
+
+    engine.add_step_observer(Recorder())
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=3, seed=5, ignore_eos=True)
+    engine.add_request("a", ids(2, 5), params)
+    forks = []
+    original_fork = engine.scheduler.fork_seq
+    engine.scheduler.fork_seq = lambda parent, child: (
+        forks.append((parent.seq_id, child.seq_id)),
+        original_fork(parent, child),
+    )[1]
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    assert len(Recorder.records) == len(inputs) == 3
+    for (record, _), model_input in zip(Recorder.records, inputs, strict=True):
+        assert record.batch is model_input.batch is record.output.batch
+        assert model_input.input_ids.tolist() == record.batch.input_ids
+        assert model_input.positions.tolist() == record.batch.positions
+
+    (seq_group,) = [
+        s.seq_group for s in Recorder.records[0][0].scheduler_outputs.scheduled_seq_groups
+    ]
+    parent = seq_group.seqs[0].seq_id
+    children = [child for _, child in forks]
+    assert forks == [(parent, children[0]), (parent, children[1])]
+    first, sampled = Recorder.records[0]
+    assert [(seq_id, p) for seq_id, p, _ in first.samples] == [
+        (parent, parent),
+        (children[0], parent),
+        (children[1], parent),
+    ]
+    assert sampled == {str(seq.seq_id): seq.data.output_token_ids[0] for seq in seq_group.seqs}
+    assert [s.output_token for s in first.output[0].samples] == list(sampled.values())
+    # Later steps: each sequence samples one token for itself.
+    for record, sampled in Recorder.records[1:]:
+        assert [(seq_id, p) for seq_id, p, _ in record.samples] == [
+            (s, s) for s in [parent, *children]
+        ]
+        assert sampled == {str(s): t for s, _, t in record.samples}

@@ -110,6 +110,15 @@ class SequenceData:
         self.stage = SequenceStage.PREFILL
 
 
+def num_samples_to_draw(params: SamplingParams, data: SequenceData) -> int:
+    """How many tokens a sequence samples when its group samples: `best_of`
+    at a prompt's first sample (the sequences the request forks into), one
+    at every later step. Greedy requests have best_of 1 (SamplingParams
+    refuses more), so they always draw one. The sampler, the dry-run worker
+    and the scheduler's `get_max_num_running_seqs` all follow this rule."""
+    return 1 if data.output_token_ids else params.best_of
+
+
 class Sequence:
     """One token stream: the prompt plus what has been generated so far."""
 
@@ -294,9 +303,11 @@ class SequenceGroup:
 
     def get_max_num_running_seqs(self) -> int:
         """The most sequences this group can have running at once from now on:
-        a prompt not yet sampled will fork into `best_of` sequences."""
-        if self.seqs[0].get_output_len() == 0:
-            return self.sampling_params.best_of
+        a prompt not yet sampled will fork into one sequence per token its
+        first sample draws (`num_samples_to_draw`)."""
+        first = self.seqs[0]
+        if first.get_output_len() == 0:
+            return num_samples_to_draw(self.sampling_params, first.data)
         return len(self.get_unfinished_seqs())
 
     def add(self, seq: Sequence) -> None:

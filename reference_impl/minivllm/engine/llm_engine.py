@@ -367,12 +367,14 @@ class LLMEngine:
         self,
         seq_group_metadata_list: list[SequenceGroupMetadata],
         scheduler_outputs: SchedulerOutputs,
+        with_batch: bool = False,
     ) -> SamplerOutput:
         return self.worker.execute_model(
             seq_group_metadata_list,
             scheduler_outputs.blocks_to_swap_in,
             scheduler_outputs.blocks_to_swap_out,
             scheduler_outputs.blocks_to_copy,
+            with_batch=with_batch,
         )
 
     def _process_step(
@@ -380,8 +382,9 @@ class LLMEngine:
         output: SamplerOutput,
         scheduler_outputs: SchedulerOutputs,
         seq_group_metadata_list: list[SequenceGroupMetadata],
+        samples: list[tuple[int, int, int]] | None = None,
     ) -> list[RequestOutput]:
-        request_outputs = self._process_model_outputs(output, scheduler_outputs)
+        request_outputs = self._process_model_outputs(output, scheduler_outputs, samples)
         self.stat_logger.log(
             build_stats(self.scheduler, scheduler_outputs, seq_group_metadata_list)
         )
@@ -390,28 +393,35 @@ class LLMEngine:
     def _observed_step(self) -> tuple[list[RequestOutput], StepRecord]:
         """The same three phases, timed, and a `StepRecord` of them.
 
-        The batch is flattened before the step's outputs are processed:
-        processing appends tokens to the very `SequenceData` it reads.
+        The record's batch is the one the worker built and ran the model on
+        (flattened before the outputs are processed, which append tokens to
+        the very `SequenceData` it reads); its samples are who got which
+        token, as `_assign_samples` paired them.
         """
         queues_before = queue_request_ids(self.scheduler)
         start = time.perf_counter()
         seq_group_metadata_list, scheduler_outputs = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        batch = FlatBatch.build(seq_group_metadata_list, self.cache_config.block_size)
-        executing = time.perf_counter()
-        output = self._execute_model(seq_group_metadata_list, scheduler_outputs)
+        output = self._execute_model(seq_group_metadata_list, scheduler_outputs, with_batch=True)
         executed = time.perf_counter()
-        request_outputs = self._process_step(output, scheduler_outputs, seq_group_metadata_list)
+        samples: list[tuple[int, int, int]] = []
+        request_outputs = self._process_step(
+            output, scheduler_outputs, seq_group_metadata_list, samples
+        )
         processed = time.perf_counter()
+        batch: FlatBatch | None = output.batch
+        if batch is None:  # nothing ran
+            batch = FlatBatch.build([], self.cache_config.block_size)
         record = StepRecord(
             queues_before=queues_before,
             seq_group_metadata_list=seq_group_metadata_list,
             scheduler_outputs=scheduler_outputs,
             batch=batch,
             output=output,
+            samples=samples,
             request_outputs=request_outputs,
             schedule_ms=(scheduled - start) * 1e3,
-            execute_ms=(executed - executing) * 1e3,
+            execute_ms=(executed - scheduled) * 1e3,
             process_ms=(processed - executed) * 1e3,
         )
         return request_outputs, record
@@ -456,8 +466,15 @@ class LLMEngine:
         return self.stat_logger.last_stats
 
     def _process_model_outputs(
-        self, output: SamplerOutput, scheduler_outputs: SchedulerOutputs
+        self,
+        output: SamplerOutput,
+        scheduler_outputs: SchedulerOutputs,
+        samples: list[tuple[int, int, int]] | None = None,
     ) -> list[RequestOutput]:
+        """Add the sampled tokens, finish and free what is done, and make the
+        step's `RequestOutput`s. `samples`, if given, gets one
+        (seq_id, parent_seq_id, token) per sample: the sequence that received
+        it (the parent itself, or a child just forked from it)."""
         now = time.time()
         scheduled = scheduler_outputs.scheduled_seq_groups
         for scheduled_group, group_output in zip(scheduled, output, strict=True):
@@ -467,6 +484,8 @@ class LLMEngine:
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 seq.data.update_num_computed_tokens(scheduled_group.token_chunk_size)
             for seq, sample in self._assign_samples(seq_group, group_output.samples):
+                if samples is not None:
+                    samples.append((seq.seq_id, sample.parent_seq_id, sample.output_token))
                 self._process_sample(seq_group, seq, sample)
             if group_output.samples:
                 seq_group.maybe_set_first_token_time(now)

@@ -42,8 +42,12 @@ class StepRecord:
     and output, and how long each phase took.
 
     queues_before: `queue_request_ids` as the step began.
-    batch: the model input as plain lists (empty when nothing ran).
+    batch: the model input as plain lists, the very `FlatBatch` the worker
+        built and ran the model on (empty when nothing ran).
     output: one entry per scheduled group, in batch order.
+    samples: (seq_id, parent_seq_id, token) for each token sampled, in
+        sampling order: the sequence that received the token is the parent
+        itself or a child forked from it at a prompt's first sample.
     request_outputs: what `step()` returned.
     *_ms: wall time of the schedule, execute (block moves and the model)
         and process (new tokens, stop checks, frees, stats) phases.
@@ -54,6 +58,7 @@ class StepRecord:
     scheduler_outputs: SchedulerOutputs
     batch: FlatBatch
     output: SamplerOutput
+    samples: list[tuple[int, int, int]]
     request_outputs: list[RequestOutput]
     schedule_ms: float
     execute_ms: float

@@ -216,23 +216,10 @@ def _scheduled(record: StepRecord) -> list[dict[str, Any]]:
 
 
 def _sampled(record: StepRecord) -> dict[str, int]:
-    """seq id -> the token it got this step.
-
-    Every sequence of a sampling group got one, and so did the children a
-    prompt forked into at its first sample (n, best_of > 1): they are the
-    group's sequences that were not scheduled yet hold exactly one token.
-    """
-    sampled = {}
-    for scheduled, meta in zip(
-        record.scheduler_outputs.scheduled_seq_groups, record.seq_group_metadata_list, strict=True
-    ):
-        if not meta.do_sample:
-            continue
-        first_sample = all(len(d.output_token_ids) == 1 for d in meta.seq_data.values())
-        for seq in scheduled.seq_group.seqs:
-            if seq.seq_id in meta.seq_data or (first_sample and seq.get_output_len() == 1):
-                sampled[str(seq.seq_id)] = seq.get_last_token_id()
-    return sampled
+    """seq id -> the token it got this step, as the engine paired samples
+    with sequences (a prompt's first sample also names the children it
+    forked into)."""
+    return {str(seq_id): token for seq_id, _, token in record.samples}
 
 
 def _seqs(

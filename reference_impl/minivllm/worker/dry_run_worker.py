@@ -31,8 +31,10 @@ from minivllm.sequence import (
     Logprob,
     SequenceGroupMetadata,
     SequenceOutput,
+    num_samples_to_draw,
 )
 from minivllm.utils import gib, host_memory_bytes, show
+from minivllm.worker.model_runner import FlatBatch
 from minivllm.worker.worker import Worker
 
 _MASK64 = (1 << 64) - 1
@@ -112,18 +114,21 @@ class DryRunWorker(Worker):
         blocks_to_swap_in: list[tuple[int, int]],
         blocks_to_swap_out: list[tuple[int, int]],
         blocks_to_copy: list[tuple[int, int]],
+        *,
+        with_batch: bool = False,
     ) -> SamplerOutput:
-        """One output per group, like the real sampler's: a sample per
-        sequence when the group samples, `best_of` of them for a prompt's
-        first sample (greedy requests have best_of 1). Block moves have no
-        bytes to move."""
+        """One output per group, like the real sampler's: when the group
+        samples, `num_samples_to_draw` samples per sequence. Block moves have
+        no bytes to move. No model runs, so the batch is flattened only
+        `with_batch` (for a step observer), exactly as the model runner
+        would flatten it."""
         outputs = []
         for meta in seq_group_metadata_list:
             samples = []
             if meta.do_sample:
                 params = meta.sampling_params
                 for seq_id, data in meta.seq_data.items():
-                    for draw in range(1 if data.output_token_ids else params.best_of):
+                    for draw in range(num_samples_to_draw(params, data)):
                         token = dry_run_token(
                             self.seed,
                             meta.request_id,
@@ -136,4 +141,7 @@ class DryRunWorker(Worker):
                         logprobs = {token: Logprob(self.logprob, rank=1)}
                         samples.append(SequenceOutput(seq_id, token, logprobs))
             outputs.append(CompletionSequenceGroupOutput(samples))
-        return SamplerOutput(outputs)
+        batch = None
+        if with_batch and seq_group_metadata_list:
+            batch = FlatBatch.build(seq_group_metadata_list, self.cache_config.block_size)
+        return SamplerOutput(outputs, batch)

@@ -26,6 +26,7 @@ from minivllm.sequence import SequenceGroupMetadata
 
 @dataclass
 class ModelInput:
+    batch: FlatBatch  # what the tensors below are made from
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata
@@ -137,6 +138,7 @@ class ModelRunner:
             seq_lens_tensor=as_tensor(batch.seq_lens),
         )
         return ModelInput(
+            batch=batch,
             input_ids=as_tensor(batch.input_ids),
             positions=as_tensor(batch.positions),
             attn_metadata=attn_metadata,
@@ -161,4 +163,6 @@ class ModelRunner:
         # Only the rows the sampler reads need logits.
         hidden_states = hidden_states[model_input.sampling_metadata.selected_token_indices]
         logits = self.model.compute_logits(hidden_states)  # [num_selected_rows, vocab_size]
-        return self.sampler(logits, model_input.sampling_metadata)
+        output = self.sampler(logits, model_input.sampling_metadata)
+        output.batch = model_input.batch
+        return output

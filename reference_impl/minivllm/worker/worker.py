@@ -108,7 +108,13 @@ class Worker:
         blocks_to_swap_in: list[tuple[int, int]],
         blocks_to_swap_out: list[tuple[int, int]],
         blocks_to_copy: list[tuple[int, int]],
+        *,
+        with_batch: bool = False,
     ) -> SamplerOutput:
+        """Move the blocks, then run the model. The output carries the
+        `FlatBatch` the model ran on whatever `with_batch` says: building it
+        is part of running the model. (A dry run has no model input, and
+        builds one only `with_batch`.)"""
         self.cache_engine.swap_in(blocks_to_swap_in)
         self.cache_engine.swap_out(blocks_to_swap_out)
         self.cache_engine.copy(blocks_to_copy)

@@ -20,6 +20,7 @@ prompt tokens -inf.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,14 +33,24 @@ from minivllm.sequence import (
     PositionLogprobs,
     SequenceData,
     SequenceOutput,
+    num_samples_to_draw,
 )
+
+if TYPE_CHECKING:
+    from minivllm.worker.model_runner import FlatBatch
 
 
 @dataclass
 class SamplerOutput:
-    """One step's samples, one entry per scheduled sequence group."""
+    """One step's samples, one entry per scheduled sequence group.
+
+    batch: the `FlatBatch` the model ran on, the very object its input
+    tensors were made from (the worker attaches it); None for a step that
+    ran nothing, and in a dry run unless the engine asked for it.
+    """
 
     outputs: list[CompletionSequenceGroupOutput]
+    batch: FlatBatch | None = None
 
     def __len__(self) -> int:
         return len(self.outputs)
@@ -213,17 +224,13 @@ class Sampler(nn.Module):
         processed: torch.Tensor,  # [vocab_size]
         probs: torch.Tensor,  # [vocab_size]
     ) -> list[int]:
-        """The tokens one sequence samples: greedy rows take the argmax; a
-        prompt's first sample draws `best_of`, the sequences the request will
-        fork into; every other row draws one."""
+        """The tokens one sequence samples, `num_samples_to_draw` of them:
+        greedy rows take the argmax (they draw one), other rows draw."""
         if sg.sampling_params.sampling_type == SamplingType.GREEDY:
             return [int(processed.argmax())]
-        first = not sg.seq_data[seq_id].output_token_ids
         generator = sg.generator or self.generator
-        return [
-            self._draw(probs, generator)
-            for _ in range(sg.sampling_params.best_of if first else 1)
-        ]
+        num = num_samples_to_draw(sg.sampling_params, sg.seq_data[seq_id])
+        return [self._draw(probs, generator) for _ in range(num)]
 
     @staticmethod
     def _process_logits(
