@@ -21,6 +21,7 @@ from minivllm import envs
 from minivllm.utils import (
     WrongTypeError,
     check_bool,
+    check_choice,
     check_float,
     check_int,
     check_seed,
@@ -58,12 +59,9 @@ class DeviceConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device, str):
-            raise WrongTypeError(f"device must be 'auto', 'cpu' or 'cuda', got {show(self.device)}")
+        check_choice("device", self.device, ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but torch sees no CUDA GPU")
 
@@ -314,12 +312,7 @@ class SchedulerConfig:
         self.max_model_len = check_int("max_model_len", self.max_model_len, low=1)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         policies = ("fcfs", "prefill_first", "priority")
-        if not isinstance(self.scheduling_policy, str) or self.scheduling_policy not in policies:
-            error = ValueError if isinstance(self.scheduling_policy, str) else WrongTypeError
-            raise error(
-                f"scheduling_policy must be one of {list(policies)}, "
-                f"got {show(self.scheduling_policy)}"
-            )
+        check_choice("scheduling_policy", self.scheduling_policy, policies)
         if self.scheduling_policy == "prefill_first" and self.enable_chunked_prefill:
             raise ValueError(
                 "scheduling_policy='prefill_first' cannot chunk prefills (its steps are all "
@@ -343,17 +336,12 @@ class SchedulerConfig:
                 f"max_num_seqs ({self.max_num_seqs}): every running sequence decodes one "
                 "token per step."
             )
-        modes = [m.value for m in PreemptionMode]
-        if isinstance(self.preemption_mode, str):
-            if self.preemption_mode not in modes:
-                raise ValueError(
-                    f"preemption_mode must be None or one of {modes}, got {self.preemption_mode!r}"
-                )
-            self.preemption_mode = PreemptionMode(self.preemption_mode)
-        elif not (self.preemption_mode is None or isinstance(self.preemption_mode, PreemptionMode)):
-            raise WrongTypeError(
-                f"preemption_mode must be None or one of {modes}, got {show(self.preemption_mode)}"
+        if not (self.preemption_mode is None or isinstance(self.preemption_mode, PreemptionMode)):
+            modes = tuple(m.value for m in PreemptionMode)
+            mode = check_choice(
+                "preemption_mode", self.preemption_mode, modes, f"None or one of {list(modes)}"
             )
+            self.preemption_mode = PreemptionMode(mode)
 
 
 @dataclass

@@ -50,8 +50,6 @@ def gib(num_bytes: int) -> str:
 # finiteness, and a message of the form "<name> must be <allowed>, got <value>".
 
 
-
-
 class WrongTypeError(TypeError, ValueError):
     """A value of the wrong type for its field.
 
@@ -125,6 +123,20 @@ def check_float(
     if not math.isfinite(as_float) or too_low or too_high:
         raise ValueError(f"{name} must be {allowed}, got {show(value)}")
     return as_float
+
+
+def check_choice(
+    name: str, value: object, choices: tuple[str, ...], allowed: str | None = None
+) -> str:
+    """`value` if it is one of the strings `choices`; else a WrongTypeError
+    (not a string) or a ValueError (another string), naming `name`."""
+    if allowed is None:
+        allowed = f"one of {list(choices)}"
+    if not isinstance(value, str):
+        raise WrongTypeError(f"{name} must be {allowed}, got {show(value)}")
+    if value not in choices:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return value
 
 
 def check_seed(value: object, allowed_prefix: str = "") -> int:

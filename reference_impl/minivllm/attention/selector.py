@@ -40,7 +40,7 @@ from minivllm import _custom_ops as ops
 from minivllm import envs
 from minivllm.attention.backends.abstract import AttentionBackend, AttentionImpl
 from minivllm.attention.backends.torch_paged import TorchAttentionBackend
-from minivllm.utils import WrongTypeError, show
+from minivllm.utils import check_choice
 
 ATTENTION_BACKENDS = ("torch", "numba", "cuda")
 
@@ -80,12 +80,13 @@ def select_attention_backend(
         requested = envs.MINIVLLM_ATTENTION_BACKEND
         if requested is None:  # unset; set but empty is refused below
             requested = "auto"
-    if not isinstance(requested, str) or requested not in (*ATTENTION_BACKENDS, "auto"):
-        error = ValueError if isinstance(requested, str) else WrongTypeError
-        raise error(
-            f"attention_backend must be one of {ATTENTION_BACKENDS}, 'auto', a class or None, "
-            f"got {show(requested)} (from the argument or $MINIVLLM_ATTENTION_BACKEND)"
-        )
+    check_choice(
+        "attention_backend",
+        requested,
+        (*ATTENTION_BACKENDS, "auto"),
+        f"one of {ATTENTION_BACKENDS}, 'auto', a class or None (from the argument or "
+        "$MINIVLLM_ATTENTION_BACKEND)",
+    )
     if requested == "auto":
         if device == "cuda":
             return "torch" if _cuda_problems(device, dtype, head_size, block_size) else "cuda"
