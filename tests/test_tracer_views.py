@@ -164,6 +164,19 @@ def test_summary_per_request_and_totals(traces):
 # -- render, timeline, notebook -----------------------------------------------------
 
 
+def assert_pool_cells(trace, step: dict, titles: set[str]) -> None:
+    """The pool cells' titles (an SVG's or the HTML page's): each block of a
+    sequence's table names its owner, on the pool the sequence is in, and
+    every device block is drawn, free ones as free."""
+    for seq_id, table in step["block_tables"].items():
+        device = "cpu" if step["seqs"][seq_id]["status"] == "swapped" else "gpu"
+        for block in table:
+            owned = f"{device} block {block}: "
+            assert any(t.startswith(owned) and f"seq {seq_id}" in t for t in titles)
+    gpu_cells = {t.split(":")[0] for t in titles if t.startswith("gpu block ")}
+    assert len(gpu_cells) == trace.num_gpu_blocks
+
+
 @needs_dot
 def test_render_svg_names_every_live_sequence_and_block(traces, tmp_path):
     for name, n in (("copy_on_write", 3), ("preempt_swap", 30), ("prefix_cache", 4)):
@@ -175,16 +188,10 @@ def test_render_svg_names_every_live_sequence_and_block(traces, tmp_path):
         assert root.tag == f"{SVG}svg"
         texts = {"".join(t.itertext()) for t in root.iter(f"{SVG}text")}
         titles = {a.get(XLINK_TITLE) for a in root.iter(f"{SVG}a")}
-        for seq_id, table in step["block_tables"].items():
+        for seq_id in step["block_tables"]:
             seq = step["seqs"][seq_id]
             assert any(t.startswith(f"seq {seq_id} · {seq['request_id']}") for t in texts)
-            device = "cpu" if seq["status"] == "swapped" else "gpu"
-            for block in table:
-                owned = f"{device} block {block}: "
-                assert any(t.startswith(owned) and f"seq {seq_id}" in t for t in titles)
-        # Every device block is drawn, free ones as free.
-        gpu_cells = {t.split(":")[0] for t in titles if t.startswith("gpu block ")}
-        assert len(gpu_cells) == trace.num_gpu_blocks
+        assert_pool_cells(trace, step, titles)
     # Shared blocks show their ref counts: block 3 and 4 are B's prompt, shared 3 ways.
     text = (tmp_path / "copy_on_write.svg").read_text()
     assert "3 ×3" in text and "4 ×3" in text
@@ -265,12 +272,7 @@ def test_html_page_draws_every_block_table_and_pool_cell(traces, tmp_path):
                 assert "".join(f"L{i} → {b}</td>" for i, b in enumerate(table)) in re.sub(
                     r"<td[^>]*>", "", fragment
                 )
-                device = "cpu" if seq["status"] == "swapped" else "gpu"
-                for block in table:
-                    owned = f"{device} block {block}: "
-                    assert any(t.startswith(owned) and f"seq {seq_id}" in t for t in titles)
-            gpu_cells = {t.split(":")[0] for t in titles if t.startswith("gpu block ")}
-            assert len(gpu_cells) == trace.num_gpu_blocks
+            assert_pool_cells(trace, step, titles)
     # Shared blocks show their ref counts, as in the SVG.
     assert "3 ×3" in drawn_steps(tmp_path / "copy_on_write.html")[3]
 
