@@ -27,7 +27,7 @@ from minivllm.attention.backends.numba_paged import NumbaPagedAttention
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.attention.layer import Attention
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
-from minivllm.attention.selector import select_attention_backend
+from minivllm.attention.selector import get_attn_backend
 from tests import nvrtc
 from tests.kernel_cases import lengths_around_blocks, make_decode_case
 
@@ -186,30 +186,30 @@ def test_engine_numba_backend_matches_torch(tiny_model_dir):
 
 def test_default_backend_on_cpu_is_the_numba_kernel(monkeypatch):
     monkeypatch.delenv("MINIVLLM_ATTENTION_BACKEND", raising=False)
-    assert select_attention_backend(None, "cpu", torch.float32, 64, 16) == "numba"
+    assert get_attn_backend(None, "cpu", torch.float32, 64, 16).get_name() == "numba"
     # Numba has no bfloat16: the reference serves it.
-    assert select_attention_backend(None, "cpu", torch.bfloat16, 64, 16) == "torch"
+    assert get_attn_backend(None, "cpu", torch.bfloat16, 64, 16).get_name() == "torch"
 
 
 def test_backend_from_environment(monkeypatch):
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "torch")
-    assert select_attention_backend(None, "cpu", torch.float32, 64, 16) == "torch"
+    assert get_attn_backend(None, "cpu", torch.float32, 64, 16).get_name() == "torch"
     # An explicit argument wins over the environment.
-    assert select_attention_backend("numba", "cpu", torch.float32, 64, 16) == "numba"
+    assert get_attn_backend("numba", "cpu", torch.float32, 64, 16).get_name() == "numba"
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match=r"attention_backend must be one of .*'flash'"):
-        select_attention_backend(None, "cpu", torch.float32, 64, 16)
+        get_attn_backend(None, "cpu", torch.float32, 64, 16)
 
 
 def test_numba_backend_refuses_bfloat16():
     with pytest.raises(ValueError, match=r"attention_backend='numba'.*bfloat16"):
-        select_attention_backend("numba", "cpu", torch.bfloat16, 64, 16)
+        get_attn_backend("numba", "cpu", torch.bfloat16, 64, 16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the error on a machine without a GPU")
 def test_cuda_backend_without_gpu_says_what_is_missing():
     with pytest.raises(RuntimeError) as info:
-        select_attention_backend("cuda", "cpu", torch.float32, 64, 16)
+        get_attn_backend("cuda", "cpu", torch.float32, 64, 16)
     message = str(info.value)
     assert "attention_backend='cuda' needs" in message
     assert "torch.cuda.is_available() is False" in message
@@ -222,7 +222,7 @@ def test_cuda_backend_without_gpu_says_what_is_missing():
 
 def test_cuda_backend_lists_unsupported_shapes():
     with pytest.raises(RuntimeError, match=r"head_size in .* \(the model's is 24\).*block_size"):
-        select_attention_backend("cuda", "cpu", torch.float32, 24, 64)
+        get_attn_backend("cuda", "cpu", torch.float32, 24, 64)
 
 
 def test_engine_rejects_unknown_backend(tiny_model_dir):

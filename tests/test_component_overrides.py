@@ -5,11 +5,12 @@ inside the real engine (no monkey-patching)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backends.abstract import AttentionBackend
 from minivllm.attention.backends.torch_paged import TorchAttentionBackend, TorchPagedAttention
-from minivllm.attention.selector import resolve_attn_backend
+from minivllm.attention.selector import get_attn_backend
 from minivllm.core.block_manager import BlockSpaceManager
 from tests.engine_spies import RecordingScheduler
 
@@ -96,15 +97,21 @@ class RecordingBackend(TorchAttentionBackend):
 
 
 def test_attention_backend_names_impl_and_cache_operations():
-    for name in ("torch", "numba", "cuda"):
-        backend = resolve_attn_backend(name)
+    from minivllm.attention.backends.cuda_paged import CudaAttentionBackend
+
+    def select(choice):
+        return get_attn_backend(choice, "cpu", torch.float32, 64, 16)
+
+    for name in ("torch", "numba"):
+        backend = select(name)
         assert issubclass(backend, AttentionBackend) and backend.get_name() == name
+    assert CudaAttentionBackend.get_name() == "cuda"
     # An implementation class gets the torch backend's cache operations, one wrapper per class.
-    wrapped = resolve_attn_backend(RecordingAttention)
+    wrapped = select(RecordingAttention)
     assert issubclass(wrapped, TorchAttentionBackend)
     assert wrapped.get_impl_cls() is RecordingAttention
-    assert resolve_attn_backend(RecordingAttention) is wrapped
-    assert resolve_attn_backend(RecordingBackend) is RecordingBackend
+    assert select(RecordingAttention) is wrapped
+    assert select(RecordingBackend) is RecordingBackend
 
 
 def test_attention_backend_subclass_runs_impl_and_copy_blocks(tiny_model_dir, reference):

@@ -117,8 +117,8 @@ def test_every_environment_variable_is_named_in_envs_only():
 
 
 def test_a_variable_set_but_empty_is_refused_not_taken_as_unset(monkeypatch):
-    from minivllm.attention.selector import select_attention_backend
+    from minivllm.attention.selector import get_attn_backend
 
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "")
     with pytest.raises(ValueError, match="MINIVLLM_ATTENTION_BACKEND"):
-        select_attention_backend(None, "cpu", torch.float32, 16, 16)
+        get_attn_backend(None, "cpu", torch.float32, 16, 16)

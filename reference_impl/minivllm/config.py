@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from minivllm import envs
+from minivllm.attention.selector import check_attention_backend
 from minivllm.utils import (
     WrongTypeError,
     check_bool,
@@ -90,9 +91,10 @@ class ModelConfig:
     max_model_len: int | None = None
     device: str = DeviceConfig.device
     dry_run: bool = False
-    # The attention implementation, resolved by EngineArgs once the block
-    # size is known (attention/selector.py); the reference if built directly.
-    attention_backend: str | type = field(default="torch", init=False)
+    # The attention implementation asked for: a name, a class, or None
+    # ($MINIVLLM_ATTENTION_BACKEND, else "auto"). The model runner resolves it
+    # once the block size is known (attention/selector.py::get_attn_backend).
+    attention_backend: str | type | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     local_path: str = field(init=False)
 
@@ -106,6 +108,7 @@ class ModelConfig:
             self.tokenizer = _check_path("tokenizer", self.tokenizer)
         check_bool("trust_remote_code", self.trust_remote_code)
         check_bool("dry_run", self.dry_run)
+        check_attention_backend(self.attention_backend)
         self.device = DeviceConfig(self.device).device  # "auto" resolved as the engine does
         self.seed = check_seed(self.seed)
         if self.max_model_len is not None:

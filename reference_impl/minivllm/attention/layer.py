@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from minivllm.attention.backends.abstract import AttentionMetadata
-from minivllm.attention.selector import get_attn_backend
+from minivllm.attention.selector import current_attn_backend
 
 
 class Attention(nn.Module):
@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
         # The implementation of the backend chosen by the engine (attention/selector.py).
-        impl_cls = get_attn_backend().get_impl_cls()
+        impl_cls = current_attn_backend().get_impl_cls()
         self.impl = impl_cls(num_heads, head_size, scale, self.num_kv_heads)
 
     def forward(

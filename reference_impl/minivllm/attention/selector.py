@@ -13,10 +13,12 @@ variable MINIVLLM_ATTENTION_BACKEND (vLLM reads VLLM_ATTENTION_BACKEND), else
 "auto": "cuda" when a GPU and CuPy are present, else the CPU kernel, else the
 reference.
 
-The engine resolves the name once (`select_attention_backend`), then builds the
-model inside `set_attn_backend(name)`, so that every `Attention` layer picks
-the same implementation without models passing it down (vLLM does the same
-with its current-config context).
+`ModelConfig.attention_backend` keeps what was asked for; the model runner
+resolves it once, when the block size is known (`get_attn_backend`, vLLM's
+name, called from vLLM's same place), and builds the model inside
+`set_attn_backend(backend)`, so that every `Attention` layer picks the same
+implementation without models passing it down (vLLM does the same with its
+current-config context). The cache engine gets the same class.
 
 A name stands for an `AttentionBackend` class (`backends/abstract.py`): the
 layers build its `get_impl_cls()`, the cache engine moves blocks with its
@@ -44,7 +46,9 @@ from minivllm.utils import check_choice
 
 ATTENTION_BACKENDS = ("torch", "numba", "cuda")
 
-_current_backend: ContextVar[str | type] = ContextVar("attention_backend", default="torch")
+_current_backend: ContextVar[type[AttentionBackend]] = ContextVar(
+    "attention_backend", default=TorchAttentionBackend
+)
 
 
 def _cuda_problems(device: str, dtype: torch.dtype, head_size: int, block_size: int) -> list[str]:
@@ -68,29 +72,25 @@ def _cuda_problems(device: str, dtype: torch.dtype, head_size: int, block_size: 
     return problems
 
 
-def select_attention_backend(
+def get_attn_backend(
     requested: str | type | None, device: str, dtype: torch.dtype, head_size: int, block_size: int
-) -> str | type:
-    """Resolve `requested` (None: the environment variable, else "auto") to a
-    backend name. A class is used as it is: an `AttentionBackend`, or an
+) -> type[AttentionBackend]:
+    """The `AttentionBackend` class for `requested` (None: the environment
+    variable, else "auto"), refusing a backend that cannot serve this
+    configuration. A class is used as it is: an `AttentionBackend`, or an
     `AttentionImpl` such as a learner's in the labs (see the module docstring)."""
     if isinstance(requested, type):
-        return requested
+        return _backend_class(requested)
     if requested is None:
         requested = envs.MINIVLLM_ATTENTION_BACKEND
         if requested is None:  # unset; set but empty is refused below
             requested = "auto"
-    check_choice(
-        "attention_backend",
-        requested,
-        (*ATTENTION_BACKENDS, "auto"),
-        f"one of {ATTENTION_BACKENDS}, 'auto', a class or None (from the argument or "
-        "$MINIVLLM_ATTENTION_BACKEND)",
-    )
+    check_attention_backend(requested)
     if requested == "auto":
         if device == "cuda":
-            return "torch" if _cuda_problems(device, dtype, head_size, block_size) else "cuda"
-        return "numba" if dtype == torch.float32 else "torch"
+            cuda_ok = not _cuda_problems(device, dtype, head_size, block_size)
+            return _backend_class("cuda" if cuda_ok else "torch")
+        return _backend_class("numba" if dtype == torch.float32 else "torch")
     if requested == "numba" and (device != "cpu" or dtype != torch.float32):
         raise ValueError(
             f"attention_backend='numba' runs on the CPU in float32, got "
@@ -103,27 +103,40 @@ def select_attention_backend(
                 "attention_backend='cuda' needs: " + "; ".join(problems) + ". "
                 "Without a GPU use attention_backend='numba' (CPU kernel) or 'torch' (reference)."
             )
-    return requested
+    return _backend_class(requested)
+
+
+def check_attention_backend(value: object) -> None:
+    """Refuse what cannot name a backend (a class is checked when it is used)."""
+    if value is None or isinstance(value, type):
+        return
+    check_choice(
+        "attention_backend",
+        value,
+        (*ATTENTION_BACKENDS, "auto"),
+        f"one of {ATTENTION_BACKENDS}, 'auto', a class or None (from the argument or "
+        "$MINIVLLM_ATTENTION_BACKEND)",
+    )
 
 
 @contextlib.contextmanager
-def set_attn_backend(name: str | type) -> Iterator[None]:
-    """Within this block, new `Attention` layers use backend `name` (or class)."""
-    token = _current_backend.set(name)
+def set_attn_backend(backend: type[AttentionBackend]) -> Iterator[None]:
+    """Within this block, new `Attention` layers use `backend`."""
+    token = _current_backend.set(backend)
     try:
         yield
     finally:
         _current_backend.reset(token)
 
 
-def get_attn_backend() -> type[AttentionBackend]:
+def current_attn_backend() -> type[AttentionBackend]:
     """The backend class in effect (the reference outside `set_attn_backend`)."""
-    return resolve_attn_backend(_current_backend.get())
+    return _current_backend.get()
 
 
-def resolve_attn_backend(choice: str | type) -> type[AttentionBackend]:
-    """The `AttentionBackend` class for a resolved choice: a backend name, a
-    backend class, or an implementation class (wrapped, see the docstring)."""
+def _backend_class(choice: str | type) -> type[AttentionBackend]:
+    """The `AttentionBackend` class for a backend name, a backend class, or
+    an implementation class (wrapped, see the module docstring)."""
     if isinstance(choice, type):
         if issubclass(choice, AttentionBackend):
             return choice

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.assets import DEFAULT_MODEL
-from minivllm.attention.selector import select_attention_backend
 from minivllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -68,7 +67,7 @@ class EngineArgs:
         "no weights: pseudo-random tokens through the real scheduler (worker/dry_run_worker.py)",
     )
     attention_backend: str | type | None = _option(
-        None,
+        ModelConfig.attention_backend,
         "torch, numba, cuda or auto, or an implementation class (default: "
         "$MINIVLLM_ATTENTION_BACKEND, else auto; attention/selector.py)",
     )
@@ -187,6 +186,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             device=device_config.device,
             dry_run=self.dry_run,
+            attention_backend=self.attention_backend,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -195,13 +195,6 @@ class EngineArgs:
             swap_space=self.swap_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
-        )
-        model_config.attention_backend = select_attention_backend(
-            self.attention_backend,
-            device_config.device,
-            model_config.dtype,
-            model_config.get_head_size(),
-            cache_config.block_size,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.attention.backends.abstract import AttentionBackend
 from minivllm.attention.selector import set_attn_backend
 from minivllm.config import ModelConfig
 from minivllm.model_executor.models import get_model_class
 from minivllm.model_executor.weight_utils import safetensors_weights_iterator
 
 
-def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def get_model(
+    model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
+) -> nn.Module:
     model_class = get_model_class(model_config.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
@@ -19,7 +22,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         # Parameters are created directly on the device in the model dtype;
         # buffers made with an explicit dtype (RoPE's cos/sin) stay float32.
         # Every Attention layer picks up the engine's attention backend.
-        with torch.device(device), set_attn_backend(model_config.attention_backend):
+        with torch.device(device), set_attn_backend(attn_backend):
             model = model_class(model_config.hf_config)
     finally:
         torch.set_default_dtype(default_dtype)

@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention.selector import resolve_attn_backend
+from minivllm.attention.backends.abstract import AttentionBackend
 from minivllm.config import CacheConfig, ModelConfig
 
 
 class CacheEngine:
     def __init__(
-        self, cache_config: CacheConfig, model_config: ModelConfig, device: torch.device
+        self,
+        cache_config: CacheConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        attn_backend: type[AttentionBackend],
     ) -> None:
         self.block_size = cache_config.block_size
         self.num_layers = model_config.get_num_layers()
         self.num_kv_heads = model_config.get_num_kv_heads()
         self.head_size = model_config.get_head_size()
         self.dtype = model_config.dtype
-        self.attn_backend = resolve_attn_backend(model_config.attention_backend)
+        self.attn_backend = attn_backend  # the model runner's, resolved once
         self.gpu_cache = self._allocate(cache_config.num_gpu_blocks, device)
         # Pinned host memory makes device<->host copies asynchronous on a GPU.
         pin = device.type == "cuda"

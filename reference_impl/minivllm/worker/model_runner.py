@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention import AttentionMetadata
-from minivllm.attention.selector import resolve_attn_backend
+from minivllm.attention.selector import get_attn_backend
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
 from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
 from minivllm.model_executor.model_loader import get_model
@@ -109,12 +109,20 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.device = device_config.torch_device
         self.sampler = Sampler(seed=model_config.seed)
-        # The backend names the metadata class its layers read.
-        self.attn_backend = resolve_attn_backend(model_config.attention_backend)
+        # Resolved once, as vLLM's model runner does: the layers build its
+        # implementation, the cache engine uses its block copies, and its
+        # metadata class carries each step's batch layout.
+        self.attn_backend = get_attn_backend(
+            model_config.attention_backend,
+            device_config.device,
+            model_config.dtype,
+            model_config.get_head_size(),
+            cache_config.block_size,
+        )
         self.model: torch.nn.Module | None = None
 
     def load_model(self) -> None:
-        self.model = get_model(self.model_config, self.device)
+        self.model = get_model(self.model_config, self.device, self.attn_backend)
 
     def prepare_model_input(
         self, seq_group_metadata_list: list[SequenceGroupMetadata]

@@ -96,7 +96,9 @@ class Worker:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_gpu_blocks
         self.cache_config.num_cpu_blocks = num_cpu_blocks
-        self.cache_engine = CacheEngine(self.cache_config, self.model_config, self.device)
+        self.cache_engine = CacheEngine(
+            self.cache_config, self.model_config, self.device, self.model_runner.attn_backend
+        )
 
     @property
     def gpu_cache(self) -> list[torch.Tensor]:
