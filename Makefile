@@ -21,6 +21,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) $(OFFLINE) "$(TORCH_SPEC)"
 	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) $(OFFLINE) -e ".[dev,trace]"
+	@# The package is minivllm alone; the repository's own tools (tools.labs, whose
+	@# checkers the lab notebooks import wherever their kernel starts) go on the
+	@# venv's path here instead.
+	$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'minivllm-repository.pth').write_text('$(CURDIR)\n')"
 	@# Graphviz's dot draws the tracer's block diagrams (minivllm-trace render).
 	@command -v dot >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -q graphviz >/dev/null 2>&1 || \

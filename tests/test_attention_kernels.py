@@ -75,7 +75,7 @@ def test_numba_kernel_detects_a_wrong_block_table():
 SIMULATOR_SCRIPT = textwrap.dedent(
     """
     import numpy as np
-    from minivllm.attention.ops.paged_attn_numba_cuda import paged_attention_v1
+    from day4_paged_attn_numba_cuda import paged_attention_v1
     from tests.kernel_cases import lengths_around_blocks, make_decode_case
 
     # (block_size, num_heads, num_kv_heads, head_size, num_threads)
@@ -94,7 +94,9 @@ SIMULATOR_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_teaching_kernel_in_cuda_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "reference_impl"), REPO])
+    # The teaching copy sits beside the Day 4 lesson that uses it.
+    lessons = os.path.join(REPO, "lessons")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "reference_impl"), REPO, lessons])
     result = subprocess.run(
         [sys.executable, "-c", SIMULATOR_SCRIPT],
         cwd=REPO,

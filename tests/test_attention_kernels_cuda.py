@@ -7,7 +7,7 @@ and the engine with the `cuda` backend against the `torch` backend.
 The `device` fixture runs every test
 
 - on "cuda" (marker `cuda`: skipped without a GPU and CuPy), and
-- on "cpu" inside `tools.cuda_emu.emulated_custom_ops()` (id `emulated`): the
+- on "cpu" inside `minivllm.cuda_emu.emulated_custom_ops()` (id `emulated`): the
   same `.cu` sources behind the same launchers of `_custom_ops.py`, every CUDA
   thread a CPU fiber. This is how a machine without a GPU executes them.
   Contexts are shorter there, because the emulator is slow.

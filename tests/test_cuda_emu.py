@@ -1,4 +1,4 @@
-"""The CPU emulator of `tools/cuda_emu/` on small kernels with known answers,
+"""The CPU emulator of `reference_impl/minivllm/cuda_emu/` on small kernels with known answers,
 and on the mistakes it exists to catch (the real kernels run in it in
 test_attention_kernels_cuda.py)."""
 

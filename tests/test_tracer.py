@@ -18,11 +18,11 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine import llm_engine, trace_writer
+from minivllm.tracer.errors import TraceError
+from minivllm.tracer.scenario import SCENARIO_DIR, load_scenario, run_scenario
+from minivllm.tracer.schema import SCHEMA_PATH, _compile, _Invalid, check_line, validate_trace
+from minivllm.tracer.trace import load_trace
 from minivllm.worker.dry_run_worker import dry_run_token
-from tools.tracer.errors import TraceError
-from tools.tracer.scenario import SCENARIO_DIR, load_scenario, run_scenario
-from tools.tracer.schema import SCHEMA_PATH, _compile, _Invalid, check_line, validate_trace
-from tools.tracer.trace import load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -572,7 +572,7 @@ def test_a_trace_started_mid_run_describes_the_queued_requests(tiny_model_dir, t
 # -- the tracer's layers ---------------------------------------------------------------
 
 # The facts: the trace model and what is derived from it. The views import
-# them, never the other way (tools/tracer/__init__.py, facts.py).
+# them, never the other way (reference_impl/minivllm/tracer/__init__.py, facts.py).
 FACT_MODULES = ("errors", "schema", "trace", "facts")
 VIEW_MODULES = ("show", "summary", "notebook", "render", "timeline", "cli", "scenario", "style")
 
@@ -585,15 +585,15 @@ def _imports(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-            if node.module == "tools.tracer":  # `from tools.tracer import show`
-                names.update(f"tools.tracer.{alias.name}" for alias in node.names)
+            if node.module == "minivllm.tracer":  # `from minivllm.tracer import show`
+                names.update(f"minivllm.tracer.{alias.name}" for alias in node.names)
     return names
 
 
 @pytest.mark.parametrize("module", FACT_MODULES)
 def test_the_facts_import_no_view(module):
     imported = _imports(REPO / "tools" / "tracer" / f"{module}.py")
-    tracer = {name.split(".")[2] for name in imported if name.startswith("tools.tracer.")}
+    tracer = {name.split(".")[2] for name in imported if name.startswith("minivllm.tracer.")}
     assert tracer <= set(FACT_MODULES), f"{module}.py imports {tracer - set(FACT_MODULES)}"
     # Nor what only the views need (the `trace` extra): labs use the facts without it.
     extras = {name.split(".")[0] for name in imported} & {"rich", "graphviz", "matplotlib", "yaml"}
@@ -606,7 +606,7 @@ def test_the_layers_classify_every_tracer_module():
 
 
 def test_schema_version_is_defined_once():
-    from tools.tracer import schema
+    from minivllm.tracer import schema
 
     assert schema.SCHEMA_VERSION == trace_writer.SCHEMA_VERSION
     contract = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))

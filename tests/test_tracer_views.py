@@ -18,22 +18,22 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-import tools.tracer.timeline as timeline_module
-import tools.tracer.trace as trace_module
-from tools.tracer.cli import main
-from tools.tracer.notebook import trace_page
-from tools.tracer.scenario import (
+import minivllm.tracer.timeline as timeline_module
+import minivllm.tracer.trace as trace_module
+from minivllm.tracer.cli import main
+from minivllm.tracer.notebook import trace_page
+from minivllm.tracer.scenario import (
     CLAIMS,
     check_claims,
     load_scenario,
     run_scenario,
     shipped_scenarios,
 )
-from tools.tracer.schema import validate_trace
-from tools.tracer.show import show
-from tools.tracer.summary import summary
-from tools.tracer.timeline import write_timeline
-from tools.tracer.trace import load_trace
+from minivllm.tracer.schema import validate_trace
+from minivllm.tracer.show import show
+from minivllm.tracer.summary import summary
+from minivllm.tracer.timeline import write_timeline
+from minivllm.tracer.trace import load_trace
 
 needs_dot = pytest.mark.skipif(
     shutil.which("dot") is None, reason="Graphviz's dot is not installed (make setup installs it)"
@@ -459,7 +459,7 @@ def test_every_command_refuses_a_bad_trace_in_one_line(traces, tmp_path, capsys)
 def test_python_m_tools_tracer_refuses_in_one_line(tmp_path):
     (tmp_path / "dir.jsonl").mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "tools.tracer", "summary", str(tmp_path / "dir.jsonl")],
+        [sys.executable, "-m", "minivllm.tracer", "summary", str(tmp_path / "dir.jsonl")],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -503,7 +503,7 @@ def test_unexpected_errors_keep_their_traceback(traces, monkeypatch):
     def broken(trace, console=None):
         raise KeyError("a bug")
 
-    monkeypatch.setattr("tools.tracer.summary.summary", broken)
+    monkeypatch.setattr("minivllm.tracer.summary.summary", broken)
     with pytest.raises(KeyError, match="a bug"):
         main(["summary", str(traces["admission_blocked"])])
 

@@ -10,12 +10,9 @@ stories by itself ("stop"), while the sampled ones are cut at `max_tokens`
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm import LLM, SamplingParams
 
 
 def main() -> None:

@@ -7,7 +7,7 @@
 // CuPy, at run time) and nvcc (in CI) compile them exactly as they are.
 // cvt.rn.bf16.f32 needs sm_80 or newer, which is what we target.
 //
-// The CPU emulator (tools/cuda_emu/) compiles these same sources with a host
+// The CPU emulator (minivllm/cuda_emu/) compiles these same sources with a host
 // C++ compiler, which has no PTX: under MINIVLLM_CUDA_EMULATOR the three
 // conversions below are written in plain C++ with the same rounding
 // (round to nearest, ties to even).

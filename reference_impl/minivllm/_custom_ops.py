@@ -1,4 +1,4 @@
-"""The CUDA kernels of `reference_impl/csrc/`, compiled at run time with CuPy.
+"""The CUDA kernels of `csrc/`, compiled at run time with CuPy.
 
 vLLM builds its kernels ahead of time into a torch extension and
 `vllm/_custom_ops.py` wraps them. Ours are compiled on first use by NVRTC
@@ -25,7 +25,8 @@ import torch
 
 from minivllm.attention.kv_cache import check_decode_args
 
-CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+# reference_impl/csrc/, which the package links as csrc/ and a wheel holds as package data.
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 
 # What the kernels are instantiated for; anything else is refused up front.
 CUDA_DTYPES = {torch.float32: "float", torch.float16: "fp16_t", torch.bfloat16: "bf16_t"}

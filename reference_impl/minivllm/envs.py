@@ -13,7 +13,7 @@ code that uses it checks it and names the variable when it is wrong.
   when no `kv_cache_memory_bytes` is given (config.py). vLLM's CPU backend
   reads VLLM_CPU_KVCACHE_SPACE.
 - MINIVLLM_TRACE: a JSON Lines path; every engine writes its trace there
-  (engine/trace_writer.py, tools/tracer/), as if given `trace=PATH`.
+  (engine/trace_writer.py, minivllm/tracer/), as if given `trace=PATH`.
 """
 
 from __future__ import annotations

@@ -446,7 +446,7 @@ class LLMEngine:
 
     def start_trace(self, path: str) -> TraceWriter:
         """Write this engine's trace to `path` (JSON Lines, one line per
-        request and step; format: tools/tracer/SCHEMA.md), replacing any
+        request and step; format: minivllm/tracer/SCHEMA.md), replacing any
         trace it was writing. View it with `minivllm-trace show PATH`."""
         self.stop_trace()
         self.trace_writer = TraceWriter(path, self)

@@ -4,7 +4,7 @@
 `on_add_request(engine, seq_group)` when a request is queued, and
 `on_step(engine, record)` at the end of every `step()`, with a `StepRecord`
 of what the step did. The tracer (`engine/trace_writer.py`, viewed with
-`tools/tracer/`) is one. With no observer registered, `step()` takes its
+`minivllm/tracer/`) is one. With no observer registered, `step()` takes its
 plain path: no record, no stopwatch, no copies.
 
 The record holds the engine's own objects, not copies: an observer reads

@@ -11,9 +11,9 @@ not finite (JSON has no NaN or Infinity) is written as null.
 
 Turn it on with `LLM(..., trace="run.jsonl")`, `engine.start_trace(path)`,
 the environment variable `MINIVLLM_TRACE=run.jsonl`, or `minivllm-trace
-run`. The format is one contract, `tools/tracer/trace_schema.json`,
-explained field by field in `tools/tracer/SCHEMA.md`; the views
-(`minivllm-trace show / render / timeline / summary`) live in tools/tracer/.
+run`. The format is one contract, `minivllm/tracer/trace_schema.json`,
+explained field by field in `minivllm/tracer/SCHEMA.md`; the views
+(`minivllm-trace show / render / timeline / summary`) live in minivllm/tracer/.
 The writer lives here, in the engine package, so that any program can trace
 without the repository's tools on its path.
 """
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from minivllm.engine.llm_engine import LLMEngine
 
 # The format's version, the one number in Python: the tracer
-# (tools/tracer/schema.py) reads the version trace_schema.json names, and
+# (minivllm/tracer/schema.py) reads the version trace_schema.json names, and
 # tests/test_tracer.py checks that it is this one.
 SCHEMA_VERSION = 1
 

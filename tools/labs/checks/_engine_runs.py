@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm import LLM, SamplingParams
-from tools.tracer import load_trace
-from tools.tracer.trace import Trace
+from minivllm.tracer import load_trace
+from minivllm.tracer.trace import Trace
 
 
 @dataclass

@@ -23,10 +23,10 @@ from transformers import AutoConfig, GemmaConfig, GPT2Config, LlamaConfig, Qwen2
 from minivllm import LLM, SamplingParams
 from minivllm.assets import DEFAULT_MODEL
 from minivllm.config import ModelConfig
+from minivllm.tracer import load_trace
 from minivllm.worker.cache_engine import CacheEngine
 from tools.labs.checks._common import passed
 from tools.labs.checks._engine_runs import quiet_engine, token_prompts
-from tools.tracer import load_trace
 
 DAY = 2
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.assets import DEFAULT_MODEL
+from minivllm.tracer import load_trace
+from minivllm.tracer.scenario import SCENARIO_DIR, Scenario, load_scenario, run_scenario
+from minivllm.tracer.trace import Trace
 from tools.labs.checks._common import needs, passed
-from tools.tracer import load_trace
-from tools.tracer.scenario import SCENARIO_DIR, Scenario, load_scenario, run_scenario
-from tools.tracer.trace import Trace
 
 __all__ = ["exercise_1", "exercise_2", "exercise_3", "exercise_4", "exercise_5", "needs",
            "play", "states_runs"]

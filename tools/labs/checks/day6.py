@@ -13,6 +13,7 @@ import math
 
 from minivllm import SamplingParams
 from minivllm.core.scheduler import Scheduler
+from minivllm.tracer.trace import Trace
 from tools.labs.checks._common import passed
 from tools.labs.checks._engine_runs import (
     Run,
@@ -22,7 +23,6 @@ from tools.labs.checks._engine_runs import (
     run_traced,
     token_prompts,
 )
-from tools.tracer.trace import Trace
 
 DAY = 6
 

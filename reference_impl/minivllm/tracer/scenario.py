@@ -38,8 +38,8 @@ from typing import Any
 import yaml
 
 from minivllm import EngineArgs, LLMEngine, SamplingParams
-from tools.tracer.errors import ScenarioError
-from tools.tracer.trace import Trace
+from minivllm.tracer.errors import ScenarioError
+from minivllm.tracer.trace import Trace
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 

@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tools.tracer.facts import batch_summary, events
-from tools.tracer.style import MAX_POOL_CELLS, POOL_COLUMNS, SEQ_COLORS
-from tools.tracer.trace import MAX_STEPS_AT_ONCE, Trace
+from minivllm.tracer.facts import batch_summary, events
+from minivllm.tracer.style import MAX_POOL_CELLS, POOL_COLUMNS, SEQ_COLORS
+from minivllm.tracer.trace import MAX_STEPS_AT_ONCE, Trace
 
 _SCRIPT = Path(__file__).with_name("page.js")
 

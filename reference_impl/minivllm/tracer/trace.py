@@ -7,7 +7,7 @@ timeline) draw both. It imports no view, not even inside a function (a
 test parses the imports). Yet in Jupyter a `Trace` displays as a table of
 its steps and `trace.step(n)` as a diagram: those two display methods call
 whatever the views registered with `set_display`, which the package does
-(tools/tracer/__init__.py) when it is first imported, and so before this
+(minivllm/tracer/__init__.py) when it is first imported, and so before this
 module can be. With nothing registered they return None and Jupyter shows
 the plain repr.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.tracer.errors import NoSuchStep, TracerError
-from tools.tracer.schema import read_trace
+from minivllm.tracer.errors import NoSuchStep, TracerError
+from minivllm.tracer.schema import read_trace
 
 # The views that draw every step (show's table, render's page, the
 # timeline) take at most this many at once unless told which: beyond it

@@ -16,9 +16,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from tools.tracer.facts import batch_summary, block_owners, events, ref_counts
-from tools.tracer.style import seq_color
-from tools.tracer.trace import Trace
+from minivllm.tracer.facts import batch_summary, block_owners, events, ref_counts
+from minivllm.tracer.style import seq_color
+from minivllm.tracer.trace import Trace
 
 _POOL_STRIP_MAX = 512  # larger pools are summarised, not drawn
 

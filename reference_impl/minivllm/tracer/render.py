@@ -19,10 +19,10 @@ from typing import Any
 
 import graphviz
 
-from tools.tracer.errors import TracerError
-from tools.tracer.facts import block_owners, ref_counts
-from tools.tracer.style import MAX_POOL_CELLS, POOL_COLUMNS, seq_color
-from tools.tracer.trace import Trace
+from minivllm.tracer.errors import TracerError
+from minivllm.tracer.facts import block_owners, ref_counts
+from minivllm.tracer.style import MAX_POOL_CELLS, POOL_COLUMNS, seq_color
+from minivllm.tracer.trace import Trace
 
 _MAX_EDGES = 256  # above this, the tables show the mapping as text only
 

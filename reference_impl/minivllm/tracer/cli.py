@@ -10,7 +10,7 @@
     minivllm-trace validate run.jsonl
     minivllm-trace scenarios
 
-Also `python -m tools.tracer ...` from the repository root. The views that
+Also `python -m minivllm.tracer ...`. The views that
 draw every step take at most MAX_STEPS_AT_ONCE (2,000) unless `--steps A:B`
 (steps A to B-1) says which.
 
@@ -29,8 +29,11 @@ from pathlib import Path
 
 import yaml
 
-from tools.tracer.errors import TracerError
-from tools.tracer.trace import MAX_STEPS_AT_ONCE, load_trace, step_range
+from minivllm.tracer.errors import TracerError
+from minivllm.tracer.trace import MAX_STEPS_AT_ONCE, load_trace, step_range
+
+# What `render` and `timeline` need beyond the package's own dependencies.
+TRACE_EXTRA = ("graphviz", "matplotlib")
 
 
 def _default_model() -> str:
@@ -57,7 +60,7 @@ def _engine_arg(text: str) -> tuple[str, object]:
 
 
 def _resolve_scenario(name: str) -> Path:
-    from tools.tracer.scenario import SCENARIO_DIR, shipped_scenarios
+    from minivllm.tracer.scenario import SCENARIO_DIR, shipped_scenarios
 
     path = Path(name)
     if path.is_file():
@@ -70,7 +73,7 @@ def _resolve_scenario(name: str) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from tools.tracer.scenario import Scenario, check_claims, load_scenario, run_scenario
+    from minivllm.tracer.scenario import Scenario, check_claims, load_scenario, run_scenario
 
     if args.scenario and args.prompt:
         raise TracerError("run takes a scenario or --prompt, not both")
@@ -94,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> None:
-    from tools.tracer.show import show
+    from minivllm.tracer.show import show
 
     if args.step is not None and args.steps is not None:
         raise TracerError("show takes --step N (one step in full) or --steps A:B, not both")
@@ -106,8 +109,8 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 
 def cmd_render(args: argparse.Namespace) -> None:
-    from tools.tracer.notebook import trace_page
-    from tools.tracer.render import check_image_format, render_step
+    from minivllm.tracer.notebook import trace_page
+    from minivllm.tracer.render import check_image_format, render_step
 
     out = Path(args.output)
     if out.suffix == ".html":
@@ -127,7 +130,7 @@ def cmd_render(args: argparse.Namespace) -> None:
 
 
 def cmd_timeline(args: argparse.Namespace) -> None:
-    from tools.tracer.timeline import check_timeline_format, write_timeline
+    from minivllm.tracer.timeline import check_timeline_format, write_timeline
 
     check_timeline_format(args.output)
     trace = load_trace(args.trace)
@@ -136,13 +139,13 @@ def cmd_timeline(args: argparse.Namespace) -> None:
 
 
 def cmd_summary(args: argparse.Namespace) -> None:
-    from tools.tracer.summary import summary
+    from minivllm.tracer.summary import summary
 
     summary(load_trace(args.trace))
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
-    from tools.tracer.schema import read_trace
+    from minivllm.tracer.schema import read_trace
 
     lines, truncated = read_trace(args.trace)
     cut = " (and a half-written last line, left out)" if truncated else ""
@@ -150,7 +153,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 def cmd_scenarios(args: argparse.Namespace) -> None:
-    from tools.tracer.scenario import load_scenario, shipped_scenarios
+    from minivllm.tracer.scenario import load_scenario, shipped_scenarios
 
     for path in shipped_scenarios():
         scenario = load_scenario(path)
@@ -244,5 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except TracerError as e:  # anything else is a bug: its traceback shows where
         print(f"minivllm-trace {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as e:
+        if e.name not in TRACE_EXTRA:
+            raise
+        print(
+            f"minivllm-trace {args.command}: error: needs the Python package {e.name}, "
+            "which the `trace` extra installs: pip install 'minivllm[trace]'",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -3,7 +3,7 @@ lifecycle state; how block pools are laid out."""
 
 from __future__ import annotations
 
-from tools.tracer.trace import DECODE, FINISHED, IDLE, PREEMPTED, PREFILL, SWAPPED, WAITING
+from minivllm.tracer.trace import DECODE, FINISHED, IDLE, PREEMPTED, PREFILL, SWAPPED, WAITING
 
 # Light colours, so that black text on them stays readable.
 SEQ_COLORS = [

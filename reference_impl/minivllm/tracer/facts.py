@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tools.tracer.trace import Lifecycle, Trace
+from minivllm.tracer.trace import Lifecycle, Trace
 
 # -- one step -------------------------------------------------------------------------
 

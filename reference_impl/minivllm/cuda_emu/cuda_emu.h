@@ -1,7 +1,7 @@
 // cuda_emu.h: just enough of CUDA to run the kernels of reference_impl/csrc on
 // a CPU, so that machines without a GPU still *execute* the real sources.
 //
-// tools/cuda_emu/__init__.py force-includes this header in front of a .cu
+// minivllm/cuda_emu/__init__.py force-includes this header in front of a .cu
 // file and compiles the result with the host C++ compiler. Then:
 //
 // - every CUDA thread of a thread block is a fiber (ucontext) with its own

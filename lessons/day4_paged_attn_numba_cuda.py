@@ -7,7 +7,11 @@ block), the same four stages and the same two-level reductions, written with
 `NUMBA_ENABLE_CUDASIM=1` set *before numba is first imported*, Numba's CUDA
 simulator runs every thread of every block as a Python thread:
 
-    NUMBA_ENABLE_CUDASIM=1 python -c "..."   # or os.environ[...] first thing in a notebook
+    cd lessons && NUMBA_ENABLE_CUDASIM=1 python -c "from day4_paged_attn_numba_cuda import ..."
+
+(or `os.environ[...]` first thing in a notebook). It is Day 4's teaching
+material, kept beside the lesson: no attention backend runs it; the test that
+holds it equal to the PyTorch reference is tests/test_attention_kernels.py.
 
 Keep shapes tiny there (a few sequences, heads and blocks): it is slow.
 

@@ -20,9 +20,9 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
-from tools.tracer.errors import TracerError
-from tools.tracer.style import STATE_COLORS
-from tools.tracer.trace import (
+from minivllm.tracer.errors import TracerError
+from minivllm.tracer.style import STATE_COLORS
+from minivllm.tracer.trace import (
     DECODE,
     FINISHED,
     IDLE,

@@ -15,9 +15,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from tools.tracer.facts import run_totals, ttft_ms, ttft_steps, utilisation
-from tools.tracer.show import add_plain_row
-from tools.tracer.trace import Trace
+from minivllm.tracer.facts import run_totals, ttft_ms, ttft_steps, utilisation
+from minivllm.tracer.show import add_plain_row
+from minivllm.tracer.trace import Trace
 
 _SPARKS = " ▁▂▃▄▅▆▇█"
 _COLUMNS = (

@@ -28,7 +28,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tools.tracer.errors import TraceError
+from minivllm.tracer.errors import TraceError
 
 SCHEMA_PATH = Path(__file__).with_name("trace_schema.json")
 LINE_TYPES = ("header", "request", "step")
@@ -230,7 +230,7 @@ def _compile(node: dict[str, Any], defs: dict[str, Any], done: dict[str, Check])
     unknown = set(node) - _KEYWORDS - _ANNOTATIONS
     if unknown:
         raise NotImplementedError(
-            f"trace_schema.json uses {sorted(unknown)}, which tools/tracer/schema.py does not "
+            f"trace_schema.json uses {sorted(unknown)}, which minivllm/tracer/schema.py does not "
             "implement: add them to _compile"
         )
 

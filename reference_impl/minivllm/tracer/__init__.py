@@ -12,15 +12,15 @@ upward is made here: how Jupyter displays a `Trace` and a `StepView` is
 registered with `trace.set_display` (see trace.py).
 """
 
-from tools.tracer.errors import TraceError, TracerError
-from tools.tracer.notebook import trace_html
-from tools.tracer.trace import Trace, load_trace, set_display
+from minivllm.tracer.errors import TraceError, TracerError
+from minivllm.tracer.notebook import trace_html
+from minivllm.tracer.trace import Trace, load_trace, set_display
 
 
 def _step_svg(trace: Trace, n: int) -> str:
     # render.py needs the graphviz package (the `trace` extra), so it is
     # imported when a step is first drawn, not with the package.
-    from tools.tracer.render import step_svg
+    from minivllm.tracer.render import step_svg
 
     return step_svg(trace, n)
 
