@@ -20,11 +20,10 @@ import random
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams, cuda_emu
 from minivllm import _custom_ops as ops
 from minivllm.attention import selector
 from tests.kernel_cases import lengths_around_blocks, make_decode_case
-from tools import cuda_emu
 from tools.tiny_models import make_tiny_model
 
 # (atol, rtol): outputs are rounded to the dtype, so allow about one unit in

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tools import cuda_emu
+from minivllm import cuda_emu
 
 pytestmark = pytest.mark.skipif(
     cuda_emu.compiler() is None, reason="the CUDA emulator needs a C++ compiler (g++, or $CXX)"

@@ -271,9 +271,9 @@ def contract() -> dict[str, Any]:
 
 # The version this tracer reads: the header's `const` in the contract, not a
 # number of its own. The engine writes its SCHEMA_VERSION
-# (minivllm/engine/trace_writer.py, which cannot import tools/), and a test
-# checks the two agree. Importing it from minivllm instead would load torch
-# (seconds) into every `minivllm-trace show`.
+# (minivllm/engine/trace_writer.py; the engine never imports the tracer), and
+# a test checks the two agree. Importing it from the engine instead would load
+# torch (seconds) into every `minivllm-trace show`.
 SCHEMA_VERSION: int = contract()["$defs"]["header"]["properties"]["schema_version"]["const"]
 
 
