@@ -112,7 +112,7 @@ def test_every_environment_variable_is_named_in_envs_only():
         mentioned |= set(re.findall(r"\bMINIVLLM_[A-Z_]+\b", text))
         if path.name != "envs.py" and reads_environment(ast.parse(text)):
             readers.append(str(path.relative_to(PACKAGE)))
-    assert mentioned == set(envs.ENVIRONMENT_VARIABLES)
+    assert mentioned == {name for name in envs.ENVIRONMENT_VARIABLES if "MINIVLLM_" in name}
     assert readers == []
 
 

@@ -592,7 +592,7 @@ def _imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("module", FACT_MODULES)
 def test_the_facts_import_no_view(module):
-    imported = _imports(REPO / "tools" / "tracer" / f"{module}.py")
+    imported = _imports(REPO / "reference_impl" / "minivllm" / "tracer" / f"{module}.py")
     tracer = {name.split(".")[2] for name in imported if name.startswith("minivllm.tracer.")}
     assert tracer <= set(FACT_MODULES), f"{module}.py imports {tracer - set(FACT_MODULES)}"
     # Nor what only the views need (the `trace` extra): labs use the facts without it.
@@ -601,7 +601,7 @@ def test_the_facts_import_no_view(module):
 
 
 def test_the_layers_classify_every_tracer_module():
-    modules = {p.stem for p in (REPO / "tools" / "tracer").glob("*.py")}
+    modules = {p.stem for p in (REPO / "reference_impl" / "minivllm" / "tracer").glob("*.py")}
     assert modules - {"__init__", "__main__"} == set(FACT_MODULES) | set(VIEW_MODULES)
 
 
@@ -615,7 +615,7 @@ def test_schema_version_is_defined_once():
     }
     assigned = [
         p.name
-        for p in (REPO / "tools" / "tracer").glob("*.py")
+        for p in (REPO / "reference_impl" / "minivllm" / "tracer").glob("*.py")
         if re.search(r"SCHEMA_VERSION\b[^=\n]*=\s*\d", p.read_text(encoding="utf-8"))
     ]
     assert assigned == []

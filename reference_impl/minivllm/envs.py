@@ -14,6 +14,11 @@ code that uses it checks it and names the variable when it is wrong.
   reads VLLM_CPU_KVCACHE_SPACE.
 - MINIVLLM_TRACE: a JSON Lines path; every engine writes its trace there
   (engine/trace_writer.py, minivllm/tracer/), as if given `trace=PATH`.
+
+And one that is not ours (vLLM's list has such too, CUDA_HOME for one):
+
+- CXX: the host C++ compiler the CUDA emulator builds kernels with
+  (cuda_emu/; default g++).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ ENVIRONMENT_VARIABLES = (
     "MINIVLLM_ATTENTION_BACKEND",
     "MINIVLLM_CPU_KVCACHE_SPACE",
     "MINIVLLM_TRACE",
+    "CXX",
 )
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm import _custom_ops
+from minivllm import _custom_ops, envs
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "cuda_emu.h"
@@ -46,7 +46,7 @@ _DYNAMIC_SMEM = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
 
 def compiler() -> str | None:
     """The host C++ compiler to use, or None if there is none."""
-    return shutil.which(os.environ.get("CXX", "g++"))
+    return shutil.which(envs.CXX or "g++")
 
 
 class _ArgInfo(ctypes.Structure):
