@@ -252,6 +252,16 @@ class PrometheusStatLogger:
             "Count of successfully processed requests.",
             extra=["finished_reason"],
         )
+        # Each metric shows (at 0) from the start, not from its first event.
+        for metric in (
+            self.counter_num_preemption,
+            self.counter_prompt_tokens,
+            self.counter_generation_tokens,
+            self.histogram_time_to_first_token,
+            self.histogram_time_per_output_token,
+            self.histogram_e2e_time_request,
+        ):
+            metric.labels(**labels)
         # request id -> (its last token's time, its output tokens so far)
         self._seen: dict[str, tuple[float, int]] = {}
 

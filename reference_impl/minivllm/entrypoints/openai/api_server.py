@@ -134,15 +134,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         params, lines = [], []
         for err in errors[:3]:
-            loc = [str(part) for part in err["loc"] if part != "body"]
-            params.append(loc[0] if loc else None)
-            lines.append(f"{'.'.join(loc) or 'body'}: {err['msg']}")
+            path = _field_path(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if not path:  # a check of the whole request: its message names the field
+                first = msg.split()[0] if msg else ""
+                path = [first] if first.isidentifier() else []
+            params.append(path[0] if path else None)
+            lines.append(f"{'.'.join(path)}: {msg}" if path else msg)
         message = "; ".join(lines) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
-        param = params[0]
-        if param is None:  # a model-level check: its message names the field
-            param = message.split()[0] if message else None
-            param = param if param and param.isidentifier() else None
-        return _error(OpenAIError(message, param=param))
+        return _error(OpenAIError(message, param=params[0] if params else None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -154,6 +154,23 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("Unhandled error in a request")
         return _error(OpenAIError(f"{type(exc).__name__}: {exc}", HTTPStatus(500)))
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """A pydantic error location as the request's field path: without
+    FastAPI's "body", and without the names pydantic gives the members of a
+    union ("str", "list[int]", "TokenizeChatRequest")."""
+    return [
+        str(part)
+        for part in loc
+        if part != "body"
+        and not (
+            isinstance(part, str) and (part[:1].isupper() or "[" in part or part in _TYPE_TAGS)
+        )
+    ]
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:

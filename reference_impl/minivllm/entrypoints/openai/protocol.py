@@ -228,7 +228,19 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        return SamplingParams(max_tokens=max_tokens, **kwargs)
+        try:
+            return SamplingParams(max_tokens=max_tokens, **kwargs)
+        except ValueError as e:  # named by SamplingParams; say it the request's way
+            raise type(e)(self._request_names(str(e))) from e
+
+    def _request_names(self, message: str) -> str:
+        """SamplingParams' field name at the start of `message`, as this
+        request spelled it (max_completion_tokens, top_logprobs)."""
+        renames = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        first, _, rest = message.partition(" ")
+        return f"{renames.get(first, first)} {rest}"
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

@@ -49,9 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         self.check_alive()
         params = sampling_params_of(request)
-        prompts = self._tokenize_prompts(request.prompt)
-        for _, ids in prompts:
-            self.check_prompt_tokens(ids, params.max_tokens)
+        prompts = self._tokenize_prompts(request.prompt, params.max_tokens)
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
         results = merge_async_iterators(
@@ -77,19 +75,19 @@ class OpenAIServingCompletion(OpenAIServing):
             raise engine_error(e, request) from e
         return JSONResponse(self._full_response(request, finals, request_id, created, prompts))
 
-    def _tokenize_prompts(self, prompt) -> list[tuple[str, list[int]]]:
-        """(text, token ids) of each prompt: a string is encoded as the
-        engine encodes it (BOS first); token ids are decoded for echo."""
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and isinstance(prompt[0], int):
+    def _tokenize_prompts(self, prompt, max_tokens: int | None) -> list[tuple[str, list[int]]]:
+        """(text, token ids) of each prompt, checked: a string is encoded as
+        the engine encodes it (BOS first); token ids are decoded, for echo."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
-            raise OpenAIError("prompt must not be empty", param="prompt")
-        return [
-            (p, self.tokenizer.encode(p)) if isinstance(p, str) else (self.tokenizer.decode(p), p)
-            for p in prompt
-        ]
+            raise OpenAIError("prompt must not be an empty list", param="prompt")
+        prompts = []
+        for p in prompt:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+            self.check_prompt_tokens(ids, max_tokens)
+            prompts.append((p if isinstance(p, str) else self.tokenizer.decode(ids), ids))
+        return prompts
 
     def _full_response(self, request, finals, request_id, created, prompts) -> dict:
         choices = []
