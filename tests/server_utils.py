@@ -15,10 +15,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+
+# On the server's path too, so it can load test components by name.
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -28,18 +32,25 @@ def free_port() -> int:
 
 
 class RemoteOpenAIServer:
-    """`python -m minivllm.entrypoints.openai.api_server ARGS`, started and
-    waited for (GET /health); use as a context manager."""
+    """`python -m MODULE ARGS --host 127.0.0.1 --port PORT` (the api_server
+    module, or the `minivllm` command's), started and waited for (GET
+    /health); use as a context manager."""
 
-    def __init__(self, args: list[str], startup_timeout: float = 180.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        module: str = "minivllm.entrypoints.openai.api_server",
+        startup_timeout: float = 180.0,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-server-", suffix=".log")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.pop("MINIVLLM_TRACE", None)
         env.pop("MINIVLLM_API_KEY", None)
-        cmd = [sys.executable, "-m", "minivllm.entrypoints.openai.api_server"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", module, *args]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )

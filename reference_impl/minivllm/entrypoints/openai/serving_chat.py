@@ -145,7 +145,7 @@ class OpenAIServingChat(OpenAIServing):
                     )
                 )
         except Exception as e:  # the engine failed mid-stream: tell the client
-            yield sse_error(e)
+            yield sse_error(e, request)
         yield SSE_DONE
 
     def _logprobs(

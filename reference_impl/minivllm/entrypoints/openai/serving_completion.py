@@ -172,7 +172,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 yield sse(chunk)
         except Exception as e:  # the engine failed mid-stream: tell the client
-            yield sse_error(e)
+            yield sse_error(e, request)
         yield SSE_DONE
 
     def _logprobs(

@@ -267,9 +267,9 @@ def sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
 
-def sse_error(e: Exception) -> str:
+def sse_error(e: Exception, request: BaseModel) -> str:
     """The event that ends a stream the engine failed in (vLLM's form)."""
-    body = engine_error(e, BaseModel()).to_response().model_dump()
+    body = engine_error(e, request).to_response().model_dump()
     return f"data: {json.dumps(body)}\n\n"
 
 
