@@ -523,3 +523,22 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server, client, llm):
     assert successes == 1  # the other request only
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 200
     assert other_text == offline(llm, PROMPTS[1], max_tokens=60, temperature=0).outputs[0].text
+
+
+def test_serving_benchmark_client_counts_what_it_got(server):
+    """tools/bench/serving.py against this server: every request completes
+    with its asked output length, one ITL per token gap."""
+    import asyncio
+
+    from tools.bench.common import BenchRequest
+    from tools.bench.serving import run_rate, summarize
+
+    requests = [BenchRequest([5, 6, 7, 8], 6), BenchRequest(list(range(20, 40)), 9)]
+    results, duration = asyncio.run(run_rate(server.base_url, MODEL, requests, math.inf, seed=0))
+    assert [r.output_len for r in results] == [6, 9]
+    assert [len(r.itl) for r in results] == [5, 8]
+    assert all(0 < r.ttft <= r.e2e for r in results)
+    row = summarize(math.inf, results, duration, {"ttft": 1e9})
+    assert row["completed"] == 2 and row["failed"] == 0
+    assert row["goodput_req_per_s"] == row["req_per_s"]
+    assert row["output_tok_per_s"] == pytest.approx(15 / duration)
