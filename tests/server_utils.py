@@ -40,16 +40,23 @@ class RemoteOpenAIServer:
         self,
         args: list[str],
         module: str = "minivllm.entrypoints.openai.api_server",
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
         startup_timeout: float = 180.0,
     ) -> None:
+        """`command` replaces `python -m module` (an installed `minivllm`
+        script); `env` replaces this process's environment (whose PYTHONPATH
+        gets the repository, so the server can load test components)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-server-", suffix=".log")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        if env is None:
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.pop("MINIVLLM_TRACE", None)
         env.pop("MINIVLLM_API_KEY", None)
-        cmd = [sys.executable, "-m", module, *args]
+        cmd = [*(command or [sys.executable, "-m", module]), *args]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
