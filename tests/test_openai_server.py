@@ -222,6 +222,30 @@ def test_chat_without_a_limit_runs_to_eos(client, llm):
     assert result.choices[0].finish_reason == "stop"
 
 
+def test_chat_echo_continues_the_assistant_message(client, llm):
+    """With the story template a last assistant message is continued; echo
+    puts it in front of the answer (vLLM's echo), streamed or not."""
+    messages = [
+        {"role": "user", "content": PROMPTS[0]},
+        {"role": "assistant", "content": ", there was a kind duck"},
+    ]
+    kwargs = dict(model=MODEL, messages=messages, temperature=0, max_tokens=15)
+    full = client.chat.completions.create(extra_body={"echo": True}, **kwargs)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, extra_body={"echo": True}, **kwargs)
+    )
+    continuation = (
+        offline(llm, PROMPTS[0] + ", there was a kind duck", max_tokens=15, temperature=0)
+        .outputs[0]
+        .text
+    )
+    assert full.choices[0].message.content == ", there was a kind duck" + continuation
+    assert streamed == full.choices[0].message.content
+    plain = client.chat.completions.create(**kwargs)
+    assert plain.choices[0].message.content == continuation
+
+
 def test_streamed_chat_follows_the_wire_format(server, llm):
     body = dict(
         model=MODEL,
@@ -390,7 +414,7 @@ BAD_CHAT_FIELDS = [
     ("n", 0),
     ("tools", []),
     ("response_format", {"type": "json_object"}),
-    ("echo", True),
+    ("echo", "yes"),
 ]
 COMPLETION_ONLY = {"prompt", "echo", "logprobs", "suffix", "max_tokens"}
 COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
@@ -496,6 +520,21 @@ def test_metrics_move_as_requests_run(server, client):
     assert moved("vllm:e2e_request_latency_seconds_count") == 1
     assert moved("vllm:e2e_request_latency_seconds_sum") > 0
     assert after["vllm:gpu_cache_usage_perc"] == 0
+
+
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server):
+    """Not streamed: the handler notices the hang-up at the next output."""
+    before = wait_until_idle(server)
+    body = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url_for("v1", "completions"), json=body, timeout=0.5)
+    after = wait_until_idle(server)
+    assert after["vllm:gpu_cache_usage_perc"] == 0
+    successes = sum(v for k, v in after.items() if k.startswith("vllm:request_success_total"))
+    assert successes == sum(
+        v for k, v in before.items() if k.startswith("vllm:request_success_total")
+    )
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 400
 
 
 def test_a_client_that_disconnects_mid_stream_is_aborted(server, client, llm):

@@ -202,6 +202,11 @@ class PrometheusStatLogger:
         self.gauge_cpu_cache_usage = make(
             Gauge, "vllm:cpu_cache_usage_perc", "CPU swap-pool usage (1 means 100 percent)."
         )
+        self.gauge_gpu_prefix_cache_hit_rate = make(
+            Gauge,
+            "vllm:gpu_prefix_cache_hit_rate",
+            "Device prefix-cache block hit rate since the start (1 means 100 percent).",
+        )
         self.counter_num_preemption = make(
             Counter, "vllm:num_preemptions", "Cumulative number of preemptions."
         )
@@ -272,6 +277,7 @@ class PrometheusStatLogger:
         self.gauge_scheduler_swapped.labels(**labels).set(stats.num_swapped)
         self.gauge_gpu_cache_usage.labels(**labels).set(stats.gpu_cache_usage)
         self.gauge_cpu_cache_usage.labels(**labels).set(stats.cpu_cache_usage)
+        self.gauge_gpu_prefix_cache_hit_rate.labels(**labels).set(stats.prefix_cache_hit_rate)
         self.counter_num_preemption.labels(**labels).inc(stats.num_preemptions)
         self.counter_prompt_tokens.labels(**labels).inc(stats.num_prefill_tokens)
         for output in request_outputs:

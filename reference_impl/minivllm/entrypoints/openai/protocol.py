@@ -211,6 +211,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # vLLM's: the answer starts with the last message's content when that
+    # message has the answer's role (a reply that continues it).
+    echo: bool | None = False
     add_generation_prompt: bool = True
     # The chat template adds BOS itself (vLLM's default too).
     add_special_tokens: bool = False

@@ -77,13 +77,21 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(e, request) from e
         return JSONResponse(self._full_response(request, final, request_id, created))
 
+    def _echoed(self, request: ChatCompletionRequest) -> str:
+        """With echo, the last message's content if it has the answer's role."""
+        last = request.messages[-1]
+        return last.text() if request.echo and last.role == self.served.response_role else ""
+
     def _full_response(
         self, request: ChatCompletionRequest, final: RequestOutput, request_id: str, created: int
     ) -> dict:
+        echoed = self._echoed(request)
         choices = [
             ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatMessage(role=self.served.response_role, content=completion.text),
+                message=ChatMessage(
+                    role=self.served.response_role, content=echoed + completion.text
+                ),
                 logprobs=self._logprobs(request, completion, 0, len(completion.token_ids)),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
@@ -114,9 +122,13 @@ class OpenAIServingChat(OpenAIServing):
         n = request.n or 1
         progress = [ChoiceProgress() for _ in range(n)]
         try:
+            echoed = self._echoed(request)
             for index in range(n):
                 role = DeltaMessage(role=self.served.response_role, content="")
                 yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
+                if echoed:
+                    echo = DeltaMessage(content=echoed)
+                    yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=echo))
             async for output in with_first(first, results):
                 for completion in output.outputs:
                     state = progress[completion.index]
