@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -65,6 +67,17 @@ def test_serve_command_with_an_api_key_and_no_chat_template(tiny_model_dir):
         assert server.stop(signal.SIGINT) == 0
         assert "Application shutdown complete" in server.output()
         assert group_is_gone(server)
+
+
+def test_a_bad_engine_option_stops_the_server_with_its_name():
+    result = subprocess.run(
+        [sys.executable, "-m", CLI, "serve", "--block-size", "0", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "block_size" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

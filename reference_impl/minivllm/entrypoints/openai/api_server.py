@@ -254,6 +254,8 @@ def serve(args: argparse.Namespace) -> None:
         asyncio.run(run_server(args))
     except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down
         pass
+    except (ValueError, FileNotFoundError) as e:  # a bad option or model: say which
+        raise SystemExit(f"error: {e}") from e
 
 
 def main(argv: list[str] | None = None) -> None:
