@@ -12,8 +12,9 @@ FAULT_MAX_TOKENS = 77
 FAULT_AFTER = 3
 
 
-class InjectedFault(RuntimeError):
-    """The failure this scheduler raises."""
+class InjectedFault(ValueError):
+    """The failure this scheduler raises: a ValueError on purpose, since the
+    server must not take a step's failure for a refused request (a 400)."""
 
 
 class FailingScheduler(Scheduler):

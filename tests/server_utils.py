@@ -31,6 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def num_successes(metrics: dict[str, float]) -> float:
+    """Finished requests, all finish reasons, from `RemoteOpenAIServer.metrics()`."""
+    return sum(v for k, v in metrics.items() if k.startswith("vllm:request_success_total"))
+
+
 class RemoteOpenAIServer:
     """`python -m MODULE ARGS --host 127.0.0.1 --port PORT` (the api_server
     module, or the `minivllm` command's), started and waited for (GET

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from minivllm import LLM, SamplingParams
-from tests.server_utils import RemoteOpenAIServer
+from tests.server_utils import RemoteOpenAIServer, num_successes
 
 MODEL = "minivllm-stories"
 PROMPTS = ["Once upon a time", "The little dog", "Long ago, there was a shy rabbit called Tom"]
@@ -530,10 +530,7 @@ def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server):
         httpx.post(server.url_for("v1", "completions"), json=body, timeout=0.5)
     after = wait_until_idle(server)
     assert after["vllm:gpu_cache_usage_perc"] == 0
-    successes = sum(v for k, v in after.items() if k.startswith("vllm:request_success_total"))
-    assert successes == sum(
-        v for k, v in before.items() if k.startswith("vllm:request_success_total")
-    )
+    assert num_successes(after) == num_successes(before)
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 400
 
 
@@ -557,9 +554,7 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server, client, llm):
     other_text = "".join(c.choices[0].text for c in other)
     after = wait_until_idle(server)
     assert after["vllm:gpu_cache_usage_perc"] == 0
-    successes = sum(v for k, v in after.items() if k.startswith("vllm:request_success_total"))
-    successes -= sum(v for k, v in before.items() if k.startswith("vllm:request_success_total"))
-    assert successes == 1  # the other request only
+    assert num_successes(after) - num_successes(before) == 1  # the other request only
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 200
     assert other_text == offline(llm, PROMPTS[1], max_tokens=60, temperature=0).outputs[0].text
 

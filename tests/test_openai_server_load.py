@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minivllm import LLM, SamplingParams
-from tests.server_utils import RemoteOpenAIServer
+from tests.server_utils import RemoteOpenAIServer, num_successes
 
 pytestmark = pytest.mark.slow
 
@@ -89,9 +89,6 @@ def test_64_poisson_streaming_clients_get_the_offline_outputs_and_leak_nothing()
         assert text == want.outputs[0].text
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     assert after["vllm:gpu_cache_usage_perc"] == 0
-    successes = sum(v for k, v in after.items() if k.startswith("vllm:request_success_total"))
-    assert successes - sum(
-        v for k, v in before.items() if k.startswith("vllm:request_success_total")
-    ) == NUM_REQUESTS
+    assert num_successes(after) - num_successes(before) == NUM_REQUESTS
     # The small cache made the scheduler preempt: the load was real.
     assert after["vllm:num_preemptions_total"] > 0

@@ -36,12 +36,9 @@ from minivllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChoiceProgress,
     OpenAIServing,
-    engine_error,
-    first_output,
     logprob_token,
     sampling_params_of,
     sse,
-    sse_error,
     with_first,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -52,7 +49,6 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         self.check_model(request.model)
-        self.check_alive()
         params = sampling_params_of(request)
         prompt = self.apply_chat_template(request.messages, request.add_generation_prompt)
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
@@ -62,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         results = self.engine.generate(
             {"prompt": prompt, "prompt_token_ids": prompt_ids}, params, request_id
         )
-        first = await first_output(results, request)
+        first = await self.first_output(results, request)
         if request.stream:
             stream = self._stream(request, first, results, request_id, created)
             return StreamingResponse(stream, media_type="text/event-stream")
@@ -74,7 +70,7 @@ class OpenAIServingChat(OpenAIServing):
                     return Response(status_code=499)
                 final = output
         except Exception as e:
-            raise engine_error(e, request) from e
+            raise self.engine_error(e, request) from e
         return JSONResponse(self._full_response(request, final, request_id, created))
 
     def _echoed(self, request: ChatCompletionRequest) -> str:
@@ -157,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
                     )
                 )
         except Exception as e:  # the engine failed mid-stream: tell the client
-            yield sse_error(e, request)
+            yield self.sse_error(e, request)
         yield SSE_DONE
 
     def _logprobs(

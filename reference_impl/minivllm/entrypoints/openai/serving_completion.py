@@ -31,13 +31,10 @@ from minivllm.entrypoints.openai.serving_engine import (
     ChoiceProgress,
     OpenAIError,
     OpenAIServing,
-    engine_error,
-    first_output,
     logprob_token,
     merge_async_iterators,
     sampling_params_of,
     sse,
-    sse_error,
     with_first,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -47,7 +44,6 @@ from minivllm.sequence import PositionLogprobs
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
-        self.check_alive()
         params = sampling_params_of(request)
         prompts = self._tokenize_prompts(request.prompt, params.max_tokens)
         request_id = f"cmpl-{random_uuid()}"
@@ -60,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 for i, (text, ids) in enumerate(prompts)
             )
         )
-        first = await first_output(results, request)
+        first = await self.first_output(results, request)
         if request.stream:
             stream = self._stream(request, first, results, request_id, created, prompts)
             return StreamingResponse(stream, media_type="text/event-stream")
@@ -72,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     return Response(status_code=499)
                 finals[prompt_index] = output
         except Exception as e:
-            raise engine_error(e, request) from e
+            raise self.engine_error(e, request) from e
         return JSONResponse(self._full_response(request, finals, request_id, created, prompts))
 
     def _tokenize_prompts(self, prompt, max_tokens: int | None) -> list[tuple[str, list[int]]]:
@@ -172,7 +168,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 yield sse(chunk)
         except Exception as e:  # the engine failed mid-stream: tell the client
-            yield sse_error(e, request)
+            yield self.sse_error(e, request)
         yield SSE_DONE
 
     def _logprobs(

@@ -117,13 +117,6 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def check_alive(self) -> None:
-        if self.engine.is_stopped:
-            raise OpenAIError(
-                "The engine is not running (see /health and the server's log).",
-                HTTPStatus.SERVICE_UNAVAILABLE,
-            )
-
     def check_prompt_tokens(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
         """The prompt, with room for max_tokens, must fit the model's context
         (vLLM's check); every id must be in the vocabulary."""
@@ -173,6 +166,35 @@ class OpenAIServing:
                 f"The chat template refused the messages: {e}", param="messages"
             ) from e
 
+    def engine_error(self, e: Exception, request: BaseModel) -> OpenAIError:
+        """What the engine raised for a request, as the answer to send: a
+        refusal when it was added (ValueError, the engine alive) a 400
+        naming the field; a step that failed under it a 500; a dead engine
+        for a new request a 503."""
+        if isinstance(e, OpenAIError):
+            return e
+        if isinstance(e, ValueError) and not self.engine.errored:
+            message = _REQUEST_PREFIX.sub("", str(e))
+            return OpenAIError(message, param=param_named_in(message, type(request).model_fields))
+        if isinstance(e, AsyncEngineDeadError):
+            return OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE)
+        return OpenAIError(f"{type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    async def first_output(self, results: AsyncGenerator[T, None], request: BaseModel) -> T:
+        """The first output, awaited before any answer is sent: the engine
+        checks a request when it adds it, so a refusal can still be a 400,
+        and a stream begins only once the prefill has made a token."""
+        try:
+            return await anext(results)
+        except Exception as e:
+            await results.aclose()
+            raise self.engine_error(e, request) from e
+
+    def sse_error(self, e: Exception, request: BaseModel) -> str:
+        """The event that ends a stream the engine failed in (vLLM's form)."""
+        body = self.engine_error(e, request).to_response().model_dump()
+        return f"data: {json.dumps(body)}\n\n"
+
 
 # -- requests into the engine and outputs back ------------------------------------
 
@@ -191,30 +213,6 @@ def sampling_params_of(request: SamplingRequest) -> SamplingParams:
         return request.to_sampling_params()
     except ValueError as e:  # WrongTypeError is one too
         raise OpenAIError(str(e), param=param_named_in(str(e), type(request).model_fields)) from e
-
-
-def engine_error(e: Exception, request: BaseModel) -> OpenAIError:
-    """What the engine raised for a request, as the response to send: its
-    refusal (ValueError) a 400, a dead engine 503, a failed step 500."""
-    if isinstance(e, OpenAIError):
-        return e
-    if isinstance(e, ValueError):
-        message = _REQUEST_PREFIX.sub("", str(e))
-        return OpenAIError(message, param=param_named_in(message, type(request).model_fields))
-    if isinstance(e, AsyncEngineDeadError):
-        return OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE)
-    return OpenAIError(f"{type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
-
-
-async def first_output(results: AsyncGenerator[T, None], request: BaseModel) -> T:
-    """The first output, awaited before any answer is sent: the engine
-    checks a request when it adds it, so a refusal can still be a 400, and
-    a stream begins only once the prefill has made a token."""
-    try:
-        return await anext(results)
-    except Exception as e:
-        await results.aclose()
-        raise engine_error(e, request) from e
 
 
 async def with_first(first: T, rest: AsyncIterator[T]) -> AsyncGenerator[T, None]:
@@ -265,12 +263,6 @@ def sse(chunk: BaseModel) -> str:
     """One server-sent event; `usage` appears only in chunks that have it."""
     exclude = {"usage"} if getattr(chunk, "usage", 0) is None else None
     return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
-
-
-def sse_error(e: Exception, request: BaseModel) -> str:
-    """The event that ends a stream the engine failed in (vLLM's form)."""
-    body = engine_error(e, request).to_response().model_dump()
-    return f"data: {json.dumps(body)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
