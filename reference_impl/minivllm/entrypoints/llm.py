@@ -113,6 +113,7 @@ def _one_per_prompt(name: str, values, num_prompts: int, single: str = "") -> li
     values = list(values)
     if len(values) != num_prompts:
         raise ValueError(
-            f"{name} has {len(values)} entries but there are {num_prompts} prompts: pass {allowed}"
+            f"{name} has {len(values)} entries but there are {num_prompts} prompts: "
+            f"pass {allowed}"
         )
     return values
