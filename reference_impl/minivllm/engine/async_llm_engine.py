@@ -204,7 +204,7 @@ class RequestTracker:
 class AsyncLLMEngine:
     """An `LLMEngine` driven by a background asyncio task (see the module's
     docstring). The loop starts with the first request, on the event loop
-    that makes it.
+    that makes it, and stops for good when that event loop ends.
 
     `log_requests`: log a line when a request is added and when it ends.
     """

@@ -177,15 +177,8 @@ class PrometheusStatLogger:
         self.registry = CollectorRegistry()
         names = list(labels)
 
-        def make(cls, name: str, doc: str, **kwargs):
-            metric = cls(
-                name,
-                doc,
-                labelnames=names + kwargs.pop("extra", []),
-                registry=self.registry,
-                **kwargs,
-            )
-            return metric
+        def make(cls, name: str, doc: str, extra: tuple[str, ...] = (), **kwargs):
+            return cls(name, doc, [*names, *extra], registry=self.registry, **kwargs)
 
         self.gauge_scheduler_running = make(
             Gauge, "vllm:num_requests_running", "Number of requests running on the device."
@@ -255,7 +248,7 @@ class PrometheusStatLogger:
             Counter,
             "vllm:request_success",
             "Count of successfully processed requests.",
-            extra=["finished_reason"],
+            extra=("finished_reason",),
         )
         # Each metric shows (at 0) from the start, not from its first event.
         for metric in (
