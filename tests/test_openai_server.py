@@ -20,6 +20,9 @@ import pytest
 from minivllm import LLM, SamplingParams
 from tests.server_utils import RemoteOpenAIServer, num_successes
 
+# A real server process for the module (about 10 s to start, a minute in all).
+pytestmark = pytest.mark.slow
+
 MODEL = "minivllm-stories"
 PROMPTS = ["Once upon a time", "The little dog", "Long ago, there was a shy rabbit called Tom"]
 
