@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from minivllm import LLM, SamplingParams
 from tests.failing_scheduler import FAULT_MAX_TOKENS
 from tests.server_utils import RemoteOpenAIServer
 
@@ -144,3 +145,28 @@ def test_a_failing_step_fails_requests_in_flight_and_health_turns_503(tiny_model
         assert health.status_code == 503 and "InjectedFault" in health.json()["error"]["message"]
         late = httpx.post(completions, json={**long, "max_tokens": 3})
         assert late.status_code == 503
+
+
+def test_chunked_prefill_streams_one_event_per_token():
+    """Every engine option is a flag: with chunked prefill a long prompt's
+    prefill takes several steps that make no token; the stream still has
+    the role first, then one event per token, and the offline text."""
+    flags = ["--enable-chunked-prefill", "--max-num-batched-tokens", "16", "--max-num-seqs", "8"]
+    prompt = "Long ago, there was a shy rabbit called Tom. Tom had a good friend called Poppy."
+    with RemoteOpenAIServer(flags) as server:
+        body = {
+            "model": "minivllm-stories",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 10,
+            "temperature": 0,
+            "stream": True,
+        }
+        with httpx.stream("POST", server.url_for("v1", "chat", "completions"), json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line[6:7] == "{"]
+        usage = server.get_client().chat.completions.create(**{**body, "stream": False}).usage
+    assert usage.prompt_tokens > 16  # so the prefill was split
+    llm = LLM(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(events) == 1 + 10
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events[1:]) == expected.text

@@ -56,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 for i, (text, ids) in enumerate(prompts)
             )
         )
-        first = await self.first_output(results, request)
+        first = await self.first_output(results, request, lambda item: item[1])
         if request.stream:
             stream = self._stream(request, first, results, request_id, created, prompts)
             return StreamingResponse(stream, media_type="text/event-stream")

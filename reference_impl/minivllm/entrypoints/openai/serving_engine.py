@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TypeVar
@@ -29,7 +29,7 @@ from minivllm.entrypoints.openai.protocol import (
     ModelList,
     SamplingRequest,
 )
-from minivllm.outputs import CompletionOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import PositionLogprobs
 
@@ -180,12 +180,22 @@ class OpenAIServing:
             return OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE)
         return OpenAIError(f"{type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
 
-    async def first_output(self, results: AsyncGenerator[T, None], request: BaseModel) -> T:
-        """The first output, awaited before any answer is sent: the engine
-        checks a request when it adds it, so a refusal can still be a 400,
-        and a stream begins only once the prefill has made a token."""
+    async def first_output(
+        self,
+        results: AsyncGenerator[T, None],
+        request: BaseModel,
+        output_of: Callable[[T], RequestOutput] = lambda item: item,
+    ) -> T:
+        """The first output with a token (or the end), awaited before any
+        answer is sent: the engine checks a request when it adds it, so a
+        refusal can still be a 400, and a stream begins only once the
+        prefill is done (a chunked prefill's partial steps have no token)."""
         try:
-            return await anext(results)
+            while True:
+                item = await anext(results)
+                output = output_of(item)
+                if output.finished or any(c.token_ids for c in output.outputs):
+                    return item
         except Exception as e:
             await results.aclose()
             raise self.engine_error(e, request) from e
