@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from minivllm import LLM, SamplingParams
+from tests.server_utils import RemoteOpenAIServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -120,6 +121,25 @@ def test_the_cuda_sources_ship_and_run_emulated(installed, tmp_path):
     if len(out) == 1:
         pytest.skip("the CUDA emulator needs a C++ compiler (g++, or $CXX)")
     assert out[1] == "agree"
+
+
+def test_minivllm_serve_runs_from_the_wheel(installed, tmp_path):
+    """`minivllm serve` from the wheel alone: the story model and its chat
+    template ship, and the server answers as the checkout's engine does."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = [str(installed / "minivllm"), "serve"]
+    with RemoteOpenAIServer([], command=command, env=env) as server:
+        client = server.get_client()
+        (card,) = client.models.list().data
+        chat = client.chat.completions.create(
+            model="minivllm-stories",
+            messages=[{"role": "user", "content": "Once upon a time"}],
+            temperature=0,
+            max_tokens=20,
+        )
+    assert Path(card.root).is_relative_to(installed.parent.parent), card.root
+    expected = LLM().generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20))
+    assert chat.choices[0].message.content == expected[0].outputs[0].text
 
 
 def test_minivllm_trace_runs_a_scenario_from_the_wheel(installed, tmp_path):

@@ -1,6 +1,7 @@
 """minivllm: a small, complete engine that works the way vLLM does."""
 
-from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from minivllm.engine.async_llm_engine import AsyncLLMEngine
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -10,6 +11,8 @@ __version__ = "0.1.0"  # the package's version (pyproject.toml reads it from her
 
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",

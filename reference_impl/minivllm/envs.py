@@ -6,6 +6,9 @@ Each is read when used, not at import, so a notebook can set one in
 the variable now. The value is the raw string, or None when it is unset; the
 code that uses it checks it and names the variable when it is wrong.
 
+- MINIVLLM_API_KEY: the key the API server requires (`Authorization:
+  Bearer KEY`) when no --api-key is given (entrypoints/openai/api_server.py).
+  vLLM's twin is VLLM_API_KEY.
 - MINIVLLM_ATTENTION_BACKEND: the attention backend when `LLM(...)` names
   none: "torch", "numba", "cuda" or "auto" (attention/selector.py). vLLM's
   twin is VLLM_ATTENTION_BACKEND.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import os
 
 ENVIRONMENT_VARIABLES = (
+    "MINIVLLM_API_KEY",
     "MINIVLLM_ATTENTION_BACKEND",
     "MINIVLLM_CPU_KVCACHE_SPACE",
     "MINIVLLM_TRACE",

@@ -122,13 +122,13 @@ class EngineArgs:
     tensor_parallel_size: int = _option(1, "devices to shard the model over (1 only, for now)")
     enforce_eager: bool = _option(True, "accepted for vLLM's sake; minivllm always runs eagerly")
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """A flag for every option (`--block-size 8`, `--enable-prefix-caching`,
         `--no-disable-log-stats`), with its default and help, as vLLM's
         `EngineArgs.add_cli_args`; `from_cli_args` turns them back."""
         group = parser.add_argument_group("engine options")
-        for f in dataclasses.fields(EngineArgs):
+        for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             meta = {k: v for k, v in f.metadata.items() if k != "help"}
             default = f.default if isinstance(f.default, (str, int, float, type(None))) else None
@@ -207,3 +207,13 @@ class EngineArgs:
             block_manager_cls=self.block_manager_cls,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device_config)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """The engine options of `AsyncLLMEngine` (the server's), as vLLM's
+    `AsyncEngineArgs`: every `EngineArgs` option and the ones that only a
+    server has. A server logs its throughput line by default, as vLLM's does."""
+
+    disable_log_stats: bool = _option(False, "no periodic throughput log line")
+    disable_log_requests: bool = _option(False, "no log line per added and finished request")

@@ -1,0 +1,50 @@
+"""The API server's command line (vLLM's `make_arg_parser`): the server's
+own flags, then every engine option from `AsyncEngineArgs`, so any option of
+`LLM(...)` is a flag here too (`--block-size 8`, `--enable-prefix-caching`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from minivllm.engine.arg_utils import AsyncEngineArgs
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    server = parser.add_argument_group("server options")
+    server.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for all, "
+        "as vLLM's default)",
+    )
+    server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model name(s) clients must send (default: --model as given, or "
+        "'minivllm-stories' for the shipped model)",
+    )
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MINIVLLM_API_KEY, "
+        "else none)",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or the template itself (default: the tokenizer's)",
+    )
+    server.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of the chat answers (default: assistant)",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="uvicorn's log level (default: info)",
+    )
+    return AsyncEngineArgs.add_cli_args(parser)

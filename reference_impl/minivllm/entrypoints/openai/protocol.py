@@ -1,0 +1,342 @@
+"""The OpenAI API's requests and responses, as pydantic models.
+
+Field names and defaults are OpenAI's (and vLLM's extra sampling fields:
+top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens,
+...). Requests are checked in two layers, each naming the field it refuses:
+
+- here, the JSON's shape: unknown fields, and values of the wrong type
+  (strict: "5" is not an integer, 2.0 is not one either, true is not a
+  count), as OpenAI refuses them;
+- then `to_sampling_params`, where `SamplingParams` checks every value's
+  range exactly as it does offline, so the server accepts what `LLM`
+  accepts.
+
+A sampling field sent as null takes its default, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from minivllm.sampling_params import SamplingParams
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIBaseModel(BaseModel):
+    # OpenAI refuses fields it does not know, and so do we (vLLM 0.6 too).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# -- errors -----------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """OpenAI's error body, {"error": {...}} (vLLM 0.6 sent the fields flat)."""
+
+    error: ErrorInfo
+
+
+# -- models -------------------------------------------------------------------
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "minivllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
+# -- the sampling fields both endpoints share -----------------------------------
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The fields that become `SamplingParams` (endpoint-specific ones in
+    the subclasses). None means "the default", for every one of them."""
+
+    model: str
+    n: int | None = 1
+    best_of: int | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1
+    min_p: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    skip_special_tokens: bool | None = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
+        return self
+
+    def _sampling_kwargs(self) -> dict:
+        names = (
+            "n best_of temperature top_p top_k min_p presence_penalty frequency_penalty "
+            "repetition_penalty seed stop stop_token_ids include_stop_str_in_output "
+            "ignore_eos min_tokens skip_special_tokens"
+        ).split()
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# -- /v1/completions -------------------------------------------------------------
+
+
+class CompletionRequest(SamplingRequest):
+    # A string, strings, token ids, or lists of token ids (one prompt each).
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            # The prompt's logprobs would be owed too (vLLM computes them).
+            raise ValueError("echo together with logprobs is not supported")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Raises ValueError naming the field, as `SamplingParams` does."""
+        kwargs = self._sampling_kwargs()
+        if self.logprobs is not None:
+            kwargs["logprobs"] = self.logprobs
+        return SamplingParams(max_tokens=self.max_tokens, **kwargs)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    # Not OpenAI's: the stop string or token id that ended it (vLLM's).
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# -- /v1/chat/completions ------------------------------------------------------------
+
+
+class ChatContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    # max_completion_tokens is OpenAI's newer name for max_tokens. Neither:
+    # up to the model's context length.
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # vLLM's: the answer starts with the last message's content when that
+    # message has the answer's role (a reply that continues it).
+    echo: bool | None = False
+    add_generation_prompt: bool = True
+    # The chat template adds BOS itself (vLLM's default too).
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        kwargs = self._sampling_kwargs()
+        if self.logprobs:
+            kwargs["logprobs"] = self.top_logprobs or 0
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        try:
+            return SamplingParams(max_tokens=max_tokens, **kwargs)
+        except ValueError as e:  # named by SamplingParams; say it the request's way
+            raise type(e)(self._request_names(str(e))) from e
+
+    def _request_names(self, message: str) -> str:
+        """SamplingParams' field name at the start of `message`, as this
+        request spelled it (max_completion_tokens, top_logprobs)."""
+        renames = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        first, _, rest = message.partition(" ")
+        return f"{renames.get(first, first)} {rest}"
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    """What a chunk adds: the role in the first, then content (an absent
+    field is left out, as OpenAI sends it, not sent as null)."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# -- /tokenize, /detokenize ---------------------------------------------------------
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,0 +1,194 @@
+"""POST /v1/chat/completions (vLLM's `OpenAIServingChat`).
+
+The messages become one prompt through the model's chat template
+(`tokenizer.apply_chat_template`, or the server's --chat-template), encoded
+without adding BOS again (the template writes it), then run as one engine
+request with n choices. Streamed, the answer is OpenAI's sequence of
+`chat.completion.chunk` events: first, once the prefill is done, one chunk
+per choice with the role; then one per new token with the content delta,
+the last of them carrying finish_reason; then the usage chunk if asked for
+(stream_options.include_usage); then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+    random_uuid,
+)
+from minivllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChoiceProgress,
+    OpenAIServing,
+    logprob_token,
+    sampling_params_of,
+    sse,
+    with_first,
+)
+from minivllm.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        self.check_model(request.model)
+        params = sampling_params_of(request)
+        prompt = self.apply_chat_template(request.messages, request.add_generation_prompt)
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+        self.check_prompt_tokens(prompt_ids, params.max_tokens)
+        request_id = f"chatcmpl-{random_uuid()}"
+        created = int(time.time())
+        results = self.engine.generate(
+            {"prompt": prompt, "prompt_token_ids": prompt_ids}, params, request_id
+        )
+        first = await self.first_output(results, request)
+        if request.stream:
+            stream = self._stream(request, first, results, request_id, created)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        final = first
+        try:
+            async for output in with_first(first, results):
+                if await raw_request.is_disconnected():
+                    await results.aclose()  # aborts the request
+                    return Response(status_code=499)
+                final = output
+        except Exception as e:
+            raise self.engine_error(e, request) from e
+        return JSONResponse(self._full_response(request, final, request_id, created))
+
+    def _echoed(self, request: ChatCompletionRequest) -> str:
+        """With echo, the last message's content if it has the answer's role."""
+        last = request.messages[-1]
+        return last.text() if request.echo and last.role == self.served.response_role else ""
+
+    def _full_response(
+        self, request: ChatCompletionRequest, final: RequestOutput, request_id: str, created: int
+    ) -> dict:
+        echoed = self._echoed(request)
+        choices = [
+            ChatCompletionResponseChoice(
+                index=completion.index,
+                message=ChatMessage(
+                    role=self.served.response_role, content=echoed + completion.text
+                ),
+                logprobs=self._logprobs(request, completion, 0, len(completion.token_ids)),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for completion in final.outputs
+        ]
+        usage = _usage(final.prompt_token_ids, sum(len(c.token_ids) for c in final.outputs))
+        response = ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+        return response.model_dump()
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        first: RequestOutput,
+        results: AsyncGenerator[RequestOutput, None],
+        request_id: str,
+        created: int,
+    ) -> AsyncGenerator[str, None]:
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            return sse(
+                ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[choice]
+                )
+            )
+
+        n = request.n or 1
+        progress = [ChoiceProgress() for _ in range(n)]
+        try:
+            echoed = self._echoed(request)
+            for index in range(n):
+                role = DeltaMessage(role=self.served.response_role, content="")
+                yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
+                if echoed:
+                    echo = DeltaMessage(content=echoed)
+                    yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=echo))
+            async for output in with_first(first, results):
+                for completion in output.outputs:
+                    state = progress[completion.index]
+                    delta = state.advance(completion)
+                    if delta is None:
+                        continue
+                    choice = ChatCompletionResponseStreamChoice(
+                        index=completion.index,
+                        delta=DeltaMessage(content=delta.text),
+                        logprobs=self._logprobs(
+                            request, completion, delta.first_token, state.num_tokens
+                        ),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                    yield chunk(choice)
+            if request.include_usage:
+                usage = _usage(first.prompt_token_ids, sum(s.num_tokens for s in progress))
+                yield sse(
+                    ChatCompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
+                        usage=usage,
+                    )
+                )
+        except Exception as e:  # the engine failed mid-stream: tell the client
+            yield self.sse_error(e, request)
+        yield SSE_DONE
+
+    def _logprobs(
+        self, request: ChatCompletionRequest, completion: CompletionOutput, start: int, end: int
+    ) -> ChatCompletionLogProbs | None:
+        """OpenAI's chat logprobs of tokens [start, end): each token's, and
+        the top_logprobs most likely at its position."""
+        if not request.logprobs:
+            return None
+        content = []
+        for token_id, position in zip(
+            completion.token_ids[start:end], completion.logprobs[start:end], strict=True
+        ):
+            ranked = sorted(position.items(), key=lambda item: -item[1].logprob)
+            top = [
+                _chat_logprob(logprob_token(self.tokenizer, t, position), lp.logprob)
+                for t, lp in ranked[: request.top_logprobs or 0]
+            ]
+            token = logprob_token(self.tokenizer, token_id, position)
+            content.append(
+                ChatCompletionLogProbsContent(
+                    **_chat_logprob(token, position[token_id].logprob).model_dump(),
+                    top_logprobs=top,
+                )
+            )
+        return ChatCompletionLogProbs(content=content)
+
+
+def _chat_logprob(token: str, logprob: float) -> ChatCompletionLogProb:
+    return ChatCompletionLogProb(token=token, logprob=logprob, bytes=list(token.encode()))
+
+
+def _usage(prompt_token_ids: list[int], num_generated: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=len(prompt_token_ids),
+        completion_tokens=num_generated,
+        total_tokens=len(prompt_token_ids) + num_generated,
+    )

@@ -1,0 +1,192 @@
+"""POST /v1/completions (vLLM's `OpenAIServingCompletion`).
+
+Each prompt of the request is one engine request (`<id>-<i>`), all run
+concurrently and merged; choice `index` is prompt * n + the output's index,
+as OpenAI numbers them. The first output is awaited before anything is
+answered, so a request the engine refuses is a plain 400, and a stream
+starts only when the prefill is done. Then, with `stream`, every step's
+new tokens go out as one server-sent event per choice (`data: {json}\n\n`);
+without, the final outputs become one JSON body.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_uuid,
+)
+from minivllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChoiceProgress,
+    OpenAIError,
+    OpenAIServing,
+    logprob_token,
+    merge_async_iterators,
+    sampling_params_of,
+    sse,
+    with_first,
+)
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sequence import PositionLogprobs
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        self.check_model(request.model)
+        params = sampling_params_of(request)
+        prompts = self._tokenize_prompts(request.prompt, params.max_tokens)
+        request_id = f"cmpl-{random_uuid()}"
+        created = int(time.time())
+        results = merge_async_iterators(
+            *(
+                self.engine.generate(
+                    {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}"
+                )
+                for i, (text, ids) in enumerate(prompts)
+            )
+        )
+        first = await self.first_output(results, request, lambda item: item[1])
+        if request.stream:
+            stream = self._stream(request, first, results, request_id, created, prompts)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for prompt_index, output in with_first(first, results):
+                if await raw_request.is_disconnected():
+                    await results.aclose()  # aborts the requests
+                    return Response(status_code=499)
+                finals[prompt_index] = output
+        except Exception as e:
+            raise self.engine_error(e, request) from e
+        return JSONResponse(self._full_response(request, finals, request_id, created, prompts))
+
+    def _tokenize_prompts(self, prompt, max_tokens: int | None) -> list[tuple[str, list[int]]]:
+        """(text, token ids) of each prompt, checked: a string is encoded as
+        the engine encodes it (BOS first); token ids are decoded, for echo."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError("prompt must not be an empty list", param="prompt")
+        prompts = []
+        for p in prompt:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+            self.check_prompt_tokens(ids, max_tokens)
+            prompts.append((p if isinstance(p, str) else self.tokenizer.decode(ids), ids))
+        return prompts
+
+    def _full_response(self, request, finals, request_id, created, prompts) -> dict:
+        choices = []
+        num_generated = 0
+        for prompt_index, output in sorted(finals.items()):
+            for completion in output.outputs:
+                text = completion.text
+                if request.echo:
+                    text = prompts[prompt_index][0] + text
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(completion, 0, len(completion.token_ids), 0)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=prompt_index * (request.n or 1) + completion.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+                num_generated += len(completion.token_ids)
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        usage = UsageInfo(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_generated,
+            total_tokens=num_prompt + num_generated,
+        )
+        response = CompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+        return response.model_dump()
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        first: tuple[int, RequestOutput],
+        results: AsyncGenerator[tuple[int, RequestOutput], None],
+        request_id: str,
+        created: int,
+        prompts: list[tuple[str, list[int]]],
+    ) -> AsyncGenerator[str, None]:
+        n = request.n or 1
+        progress: dict[int, ChoiceProgress] = {}
+        try:
+            async for prompt_index, output in with_first(first, results):
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    state = progress.setdefault(index, ChoiceProgress())
+                    delta = state.advance(completion)
+                    if delta is None:
+                        continue
+                    text = delta.text
+                    if request.echo and delta.first_token == 0:
+                        text = prompts[prompt_index][0] + text
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self._logprobs(
+                            completion, delta.first_token, state.num_tokens, delta.first_char
+                        )
+                    choice = CompletionResponseChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=self.model_name, choices=[choice]
+                    )
+                    yield sse(chunk)
+            if request.include_usage:
+                num_prompt = sum(len(ids) for _, ids in prompts)
+                num_generated = sum(state.num_tokens for state in progress.values())
+                usage = UsageInfo(
+                    prompt_tokens=num_prompt,
+                    completion_tokens=num_generated,
+                    total_tokens=num_prompt + num_generated,
+                )
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage
+                )
+                yield sse(chunk)
+        except Exception as e:  # the engine failed mid-stream: tell the client
+            yield self.sse_error(e, request)
+        yield SSE_DONE
+
+    def _logprobs(
+        self, completion: CompletionOutput, start: int, end: int, text_offset: int
+    ) -> CompletionLogProbs:
+        """OpenAI's legacy logprobs of tokens [start, end) of `completion`."""
+        result = CompletionLogProbs()
+        for token_id, position in zip(
+            completion.token_ids[start:end], completion.logprobs[start:end], strict=True
+        ):
+            token = logprob_token(self.tokenizer, token_id, position)
+            result.tokens.append(token)
+            result.token_logprobs.append(position[token_id].logprob)
+            result.top_logprobs.append(_top_logprobs(self.tokenizer, position))
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result
+
+
+def _top_logprobs(tokenizer, position: PositionLogprobs) -> dict[str, float]:
+    return {logprob_token(tokenizer, t, position): lp.logprob for t, lp in position.items()}

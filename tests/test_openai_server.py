@@ -1,0 +1,581 @@
+"""The OpenAI-compatible server, started for real (tests/server_utils.py)
+on the shipped story model and called with the official `openai` client
+and raw HTTP.
+
+Oracles: the offline `LLM.generate` on the same model and parameters (the
+text, tokens and logprobs a request must get), and OpenAI's documented wire
+format (the stream's events, their order, the error body).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import openai
+import pytest
+
+from minivllm import LLM, SamplingParams
+from tests.server_utils import RemoteOpenAIServer, num_successes
+
+# A real server process for the module (about 10 s to start, a minute in all).
+pytestmark = pytest.mark.slow
+
+MODEL = "minivllm-stories"
+PROMPTS = ["Once upon a time", "The little dog", "Long ago, there was a shy rabbit called Tom"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteOpenAIServer([]) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.get_client()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+def offline(llm: LLM, prompt: str, **params):
+    return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The raw `data:` payloads of a stream, checking the framing: every
+    event is exactly one `data: ...` line followed by a blank line."""
+    body = response.read().decode()
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), body[:500]
+    return [e[len("data: ") :] for e in events]
+
+
+def wait_until_idle(server: RemoteOpenAIServer, timeout: float = 30.0) -> dict[str, float]:
+    """/metrics once nothing runs or waits; returns it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+# -- the basics -----------------------------------------------------------------
+
+
+def test_models_version_health(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].root.endswith("minivllm-stories")
+    assert models[0].max_model_len == 512
+    assert httpx.get(server.url_for("version")).json()["version"]
+    assert httpx.get(server.url_for("health")).status_code == 200
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_completion_equals_offline(client, llm, prompt):
+    result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    expected = offline(llm, prompt, max_tokens=40, temperature=0)
+    choice = result.choices[0]
+    assert result.object == "text_completion"
+    assert choice.text == expected.outputs[0].text
+    assert choice.finish_reason == expected.outputs[0].finish_reason
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert result.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_several_prompts_in_one_completion_request(client, llm):
+    result = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    for choice, prompt in zip(result.choices, PROMPTS, strict=True):
+        assert choice.text == offline(llm, prompt, max_tokens=12, temperature=0).outputs[0].text
+    prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    assert result.usage.prompt_tokens == sum(map(len, prompt_ids))
+
+
+def test_token_id_prompt_and_echo(client, llm):
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    by_text = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, echo=True
+    )
+    assert by_text.choices[0].text == PROMPTS[0] + by_ids.choices[0].text
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.9, seed=11, top_p=0.9, top_k=20),
+        dict(temperature=0.7, seed=5, min_p=0.1, presence_penalty=0.5, frequency_penalty=0.3),
+        dict(temperature=0, repetition_penalty=1.3, min_tokens=30),
+        dict(temperature=0, stop=[" prince", "Ben"], include_stop_str_in_output=True),
+        dict(temperature=0, stop_token_ids=[13], ignore_eos=True),
+    ],
+    ids=["top_p_k", "min_p_penalties", "repetition_min_tokens", "stop", "stop_token_ids"],
+)
+def test_sampling_fields_reach_the_engine(client, llm, params):
+    """Every sampling field does what it does offline (same seed, same text)."""
+    extra = {k: v for k, v in params.items() if k not in OPENAI_FIELDS}
+    standard = {k: v for k, v in params.items() if k in OPENAI_FIELDS}
+    result = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=48, extra_body=extra, **standard
+    )
+    expected = offline(llm, PROMPTS[1], max_tokens=48, **params).outputs[0]
+    assert result.choices[0].text == expected.text
+    assert result.choices[0].finish_reason == expected.finish_reason
+    assert result.usage.completion_tokens == len(expected.token_ids)
+
+
+OPENAI_FIELDS = {"temperature", "seed", "top_p", "presence_penalty", "frequency_penalty", "stop"}
+
+
+# -- streaming ---------------------------------------------------------------------
+
+
+def test_streamed_completion_matches_and_follows_the_wire_format(server, llm):
+    body = dict(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=25,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    with httpx.stream("POST", server.url_for("v1", "completions"), json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    *token_chunks, usage_chunk = chunks
+    expected = offline(llm, PROMPTS[0], max_tokens=25, temperature=0).outputs[0]
+    # One chunk per generated token; the finish_reason on the last only.
+    assert len(token_chunks) == len(expected.token_ids)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert "".join(c["choices"][0]["text"] for c in token_chunks) == expected.text
+    assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * (
+        len(token_chunks) - 1
+    ) + ["length"]
+    assert all("usage" not in c for c in token_chunks)
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 25,
+        "total_tokens": 30,
+    }
+
+
+def test_streamed_deltas_concatenate_to_the_full_text(client):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=60, temperature=0.8, seed=3)
+    full = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+    )
+    assert streamed == full
+
+
+def test_n2_streams_two_indexed_choices(client, llm):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=1.0, seed=7, n=2)
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        assert len(chunk.choices) == 1
+        choice = chunk.choices[0]
+        assert choice.index not in finishes, "a chunk after the choice's finish"
+        texts[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            finishes[choice.index] = choice.finish_reason
+    expected = offline(llm, PROMPTS[0], max_tokens=20, temperature=1.0, seed=7, n=2)
+    assert [texts[0], texts[1]] == [c.text for c in expected.outputs]
+    assert set(finishes) == {0, 1}
+    full = client.completions.create(**kwargs)
+    assert [c.text for c in full.choices] == [texts[0], texts[1]]
+    assert full.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+
+
+def test_chat_equals_offline_on_the_templated_prompt(client, llm):
+    messages = [{"role": "system", "content": "ignored"}, {"role": "user", "content": PROMPTS[0]}]
+    result = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_completion_tokens=30
+    )
+    # The story model's template: BOS, then the non-system contents as they are.
+    expected = offline(llm, PROMPTS[0], max_tokens=30, temperature=0).outputs[0]
+    assert result.object == "chat.completion"
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == expected.text
+    assert result.usage.prompt_tokens == 5
+    assert result.usage.completion_tokens == 30
+
+
+def test_chat_without_a_limit_runs_to_eos(client, llm):
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
+    expected = offline(llm, PROMPTS[1], max_tokens=None, temperature=0).outputs[0]
+    assert result.choices[0].message.content == expected.text
+    assert result.choices[0].finish_reason == "stop"
+
+
+def test_chat_echo_continues_the_assistant_message(client, llm):
+    """With the story template a last assistant message is continued; echo
+    puts it in front of the answer (vLLM's echo), streamed or not."""
+    messages = [
+        {"role": "user", "content": PROMPTS[0]},
+        {"role": "assistant", "content": ", there was a kind duck"},
+    ]
+    kwargs = dict(model=MODEL, messages=messages, temperature=0, max_tokens=15)
+    full = client.chat.completions.create(extra_body={"echo": True}, **kwargs)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, extra_body={"echo": True}, **kwargs)
+    )
+    continuation = (
+        offline(llm, PROMPTS[0] + ", there was a kind duck", max_tokens=15, temperature=0)
+        .outputs[0]
+        .text
+    )
+    assert full.choices[0].message.content == ", there was a kind duck" + continuation
+    assert streamed == full.choices[0].message.content
+    plain = client.chat.completions.create(**kwargs)
+    assert plain.choices[0].message.content == continuation
+
+
+def test_streamed_chat_follows_the_wire_format(server, llm):
+    body = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    with httpx.stream("POST", server.url_for("v1", "chat", "completions"), json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    role, *content, usage = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in [role, *content, usage])
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["choices"][0]["finish_reason"] is None
+    expected = offline(llm, PROMPTS[0], max_tokens=12, temperature=0).outputs[0]
+    assert len(content) == 12
+    assert all(set(c["choices"][0]["delta"]) == {"content"} for c in content)
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == expected.text
+    assert [c["choices"][0]["finish_reason"] for c in content][-2:] == [None, "length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+
+
+def test_streamed_chat_with_the_client_and_n2(client):
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[2]}],
+        n=2,
+        temperature=0.9,
+        seed=4,
+        max_tokens=15,
+    )
+    texts, roles = {0: "", 1: ""}, set()
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        if delta.role:
+            roles.add(chunk.choices[0].index)
+        texts[chunk.choices[0].index] += delta.content or ""
+    full = client.chat.completions.create(**kwargs)
+    assert roles == {0, 1}
+    assert [c.message.content for c in full.choices] == [texts[0], texts[1]]
+
+
+def test_logprobs_equal_offline(client, llm):
+    result = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=3
+    )
+    expected = offline(llm, PROMPTS[1], max_tokens=8, temperature=0, logprobs=3).outputs[0]
+    lp = result.choices[0].logprobs
+    assert len(lp.tokens) == 8 and "".join(lp.tokens) == expected.text
+    for got, token_id, position in zip(
+        lp.token_logprobs, expected.token_ids, expected.logprobs, strict=True
+    ):
+        assert math.isclose(got, position[token_id].logprob, rel_tol=1e-5, abs_tol=1e-6)
+    assert all(3 <= len(top) <= 4 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[1]}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == expected.text
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+
+
+def test_tokenize_and_detokenize(server, llm):
+    tokens = httpx.post(server.url_for("tokenize"), json={"prompt": PROMPTS[2]}).json()
+    ids = llm.get_tokenizer().encode(PROMPTS[2])
+    assert tokens == {"count": len(ids), "max_model_len": 512, "tokens": ids}
+    back = httpx.post(server.url_for("detokenize"), json={"model": MODEL, "tokens": ids}).json()
+    assert back["prompt"].endswith(PROMPTS[2])
+    chat = httpx.post(
+        server.url_for("tokenize"), json={"messages": [{"role": "user", "content": PROMPTS[2]}]}
+    ).json()
+    assert chat["tokens"] == ids  # the template writes BOS, then the text
+
+
+# -- refusals -------------------------------------------------------------------------
+
+# (field, value, where): each request is refused with a 400 naming `field`.
+BAD_FIELDS = [
+    ("temperature", -0.5),
+    ("temperature", "hot"),
+    ("temperature", [1]),
+    ("temperature", 1e40),
+    ("top_p", 0),
+    ("top_p", 1.5),
+    ("top_p", "x"),
+    ("top_k", 0),
+    ("top_k", -2),
+    ("top_k", 2.5),
+    ("top_k", "5"),
+    ("min_p", -0.1),
+    ("min_p", 2),
+    ("presence_penalty", 3),
+    ("presence_penalty", -2.5),
+    ("frequency_penalty", 2.1),
+    ("frequency_penalty", "a"),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", -1),
+    ("n", 0),
+    ("n", -1),
+    ("n", 1.5),
+    ("n", True),
+    ("n", "2"),
+    ("best_of", 0),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 1.5),
+    ("max_tokens", "10"),
+    ("max_tokens", 10**6),
+    ("min_tokens", -1),
+    ("seed", "abc"),
+    ("seed", 1.5),
+    ("seed", 2**80),
+    ("stop", 5),
+    ("stop", [1, 2]),
+    ("stop", [""]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", "1"),
+    ("stop_token_ids", [10**7]),
+    ("ignore_eos", "yes"),
+    ("ignore_eos", 1),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", 2.0),
+    ("stream", "yes"),
+    ("echo", 3),
+    ("prompt", 5),
+    ("prompt", [1, "a"]),
+    ("prompt", [-1]),
+    ("prompt", [10**7]),
+    ("prompt", None),
+    ("model", 5),
+    ("model", None),
+    ("user", 7),
+    ("logit_bias", {"1": 2}),
+    ("suffix", "x"),
+    ("stream_options", {"include_usage": True}),
+    ("skip_special_tokens", "no"),
+    ("include_stop_str_in_output", 2),
+    ("unknown_field", 1),
+]
+BAD_CHAT_FIELDS = [
+    ("messages", []),
+    ("messages", "hi"),
+    ("messages", [{"content": "x"}]),
+    ("messages", [{"role": "user", "content": 5}]),
+    ("messages", [{"role": 1, "content": "x"}]),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]),
+    ("messages", [{"role": "user", "content": "x", "extra": 1}]),
+    ("max_completion_tokens", 0),
+    ("max_completion_tokens", "5"),
+    ("max_tokens", -1),
+    ("logprobs", 3),
+    ("top_logprobs", 30),
+    ("top_logprobs", -1),
+    ("temperature", -1),
+    ("n", 0),
+    ("tools", []),
+    ("response_format", {"type": "json_object"}),
+    ("echo", "yes"),
+]
+COMPLETION_ONLY = {"prompt", "echo", "logprobs", "suffix", "max_tokens"}
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def _expect_400(server, route: tuple[str, ...], body: dict, field: str) -> None:
+    response = httpx.post(server.url_for(*route), json=body, timeout=30)
+    assert response.status_code == 400, (field, body, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == field or field in error["message"], (field, error)
+
+
+def test_malformed_requests_are_400_naming_the_field_and_the_server_keeps_serving(server, client):
+    cases = [(("v1", "completions"), {**COMPLETION, f: v}, f) for f, v in BAD_FIELDS]
+    cases += [(("v1", "chat", "completions"), {**CHAT, f: v}, f) for f, v in BAD_CHAT_FIELDS]
+    # The sampling fields both endpoints share, through the chat endpoint too.
+    cases += [
+        (("v1", "chat", "completions"), {**CHAT, f: v}, f)
+        for f, v in BAD_FIELDS
+        if f not in COMPLETION_ONLY
+    ]
+    cases += [
+        (("v1", "completions"), {**COMPLETION, "n": 2, "temperature": 0}, "n"),
+        (
+            ("v1", "completions"),
+            {**COMPLETION, "best_of": 3, "n": 2, "temperature": 1, "stream": True},
+            "best_of",
+        ),
+        (("v1", "completions"), {**COMPLETION, "echo": True, "logprobs": 1}, "echo"),
+        (("v1", "completions"), {**COMPLETION, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        (("v1", "completions"), {**COMPLETION, "best_of": 300, "temperature": 1}, "best_of"),
+        (("v1", "completions"), {k: v for k, v in COMPLETION.items() if k != "prompt"}, "prompt"),
+        (("v1", "completions"), {k: v for k, v in COMPLETION.items() if k != "model"}, "model"),
+        (("v1", "completions"), {**COMPLETION, "prompt": "a " * 600}, "prompt"),
+        (
+            ("v1", "completions"),
+            {**COMPLETION, "prompt": "a " * 200, "max_tokens": 400},
+            "max_tokens",
+        ),
+        (("tokenize",), {"prompt": 5}, "prompt"),
+        (("detokenize",), {"tokens": [-3]}, "tokens"),
+        (("detokenize",), {"tokens": "abc"}, "tokens"),
+    ]
+    assert len(cases) >= 100
+    for route, body, field in cases:
+        _expect_400(server, route, body, field)
+    # Not JSON at all, or not an object.
+    for raw in (b"{not json", b"[1, 2]", b""):
+        r = httpx.post(
+            server.url_for("v1", "completions"),
+            content=raw,
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400 and "error" in r.json()
+    assert client.completions.create(**COMPLETION).choices[0].text
+    assert httpx.get(server.url_for("health")).status_code == 200
+
+
+def test_unknown_model_route_and_method(server, client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(**{**COMPLETION, "model": "gpt-4"})
+    error = info.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    for method, path in [("GET", "v1/nothing"), ("POST", "v2/completions")]:
+        r = httpx.request(method, server.url_for(path))
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(server.url_for("v1", "completions"))
+    assert r.status_code == 405 and "error" in r.json()
+
+
+# -- metrics and disconnects ------------------------------------------------------
+
+
+def test_metrics_move_as_requests_run(server, client):
+    before = wait_until_idle(server)
+    for name in (
+        "vllm:num_requests_swapped",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:time_per_output_token_seconds_count",
+    ):
+        assert name in before
+    result = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = wait_until_idle(server)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert moved("vllm:prompt_tokens_total") == result.usage.prompt_tokens
+    assert moved("vllm:generation_tokens_total") == 20
+    assert moved("vllm:request_success_total{finished_reason=length}") == 1
+    assert moved("vllm:time_to_first_token_seconds_count") == 1
+    assert moved("vllm:time_per_output_token_seconds_count") == 19
+    assert moved("vllm:e2e_request_latency_seconds_count") == 1
+    assert moved("vllm:e2e_request_latency_seconds_sum") > 0
+    assert after["vllm:gpu_cache_usage_perc"] == 0
+
+
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server):
+    """Not streamed: the handler notices the hang-up at the next output."""
+    before = wait_until_idle(server)
+    body = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url_for("v1", "completions"), json=body, timeout=0.5)
+    after = wait_until_idle(server)
+    assert after["vllm:gpu_cache_usage_perc"] == 0
+    assert num_successes(after) == num_successes(before)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 400
+
+
+def test_a_client_that_disconnects_mid_stream_is_aborted(server, client, llm):
+    """The abandoned request stops (it never finishes, so it counts in no
+    request_success), its blocks are freed, and a request running beside
+    it still gets exactly the offline text."""
+    before = wait_until_idle(server)
+    body = dict(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True, ignore_eos=True
+    )
+    other = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=60, temperature=0, stream=True
+    )
+    with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as r:
+        lines = r.iter_lines()
+        received = [line for line, _ in zip(lines, range(6), strict=False) if line]
+        assert len(received) == 3  # three chunks, then hang up
+        while_running = server.metrics()
+    assert while_running["vllm:gpu_cache_usage_perc"] > 0
+    other_text = "".join(c.choices[0].text for c in other)
+    after = wait_until_idle(server)
+    assert after["vllm:gpu_cache_usage_perc"] == 0
+    assert num_successes(after) - num_successes(before) == 1  # the other request only
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 200
+    assert other_text == offline(llm, PROMPTS[1], max_tokens=60, temperature=0).outputs[0].text
+
+
+def test_serving_benchmark_client_counts_what_it_got(server):
+    """tools/bench/serving.py against this server: every request completes
+    with its asked output length, one ITL per token gap."""
+    import asyncio
+
+    from tools.bench.common import BenchRequest
+    from tools.bench.serving import run_rate, summarize
+
+    requests = [BenchRequest([5, 6, 7, 8], 6), BenchRequest(list(range(20, 40)), 9)]
+    results, duration = asyncio.run(run_rate(server.base_url, MODEL, requests, math.inf, seed=0))
+    assert [r.output_len for r in results] == [6, 9]
+    assert [len(r.itl) for r in results] == [5, 8]
+    assert all(0 < r.ttft <= r.e2e for r in results)
+    row = summarize(math.inf, results, duration, {"ttft": 1e9})
+    assert row["completed"] == 2 and row["failed"] == 0
+    assert row["goodput_req_per_s"] == row["req_per_s"]
+    assert row["output_tok_per_s"] == pytest.approx(15 / duration)

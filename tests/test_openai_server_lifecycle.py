@@ -1,0 +1,172 @@
+"""The server's life: the `minivllm serve` command with an API key, a model
+without a chat template, a step that fails inside the engine, and shutting
+down on SIGINT / SIGTERM with nothing left behind. Each test starts its own
+server (a few seconds each), so they are marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+
+from minivllm import LLM, SamplingParams
+from tests.failing_scheduler import FAULT_MAX_TOKENS
+from tests.server_utils import RemoteOpenAIServer
+
+pytestmark = pytest.mark.slow
+
+CLI = "minivllm.entrypoints.cli"  # the `minivllm` command
+
+
+def group_is_gone(server: RemoteOpenAIServer) -> bool:
+    try:
+        os.killpg(server.proc.pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_serve_command_with_an_api_key_and_no_chat_template(tiny_model_dir):
+    args = [
+        "serve",
+        tiny_model_dir("llama"),
+        "--api-key",
+        "sesame",
+        "--served-model-name",
+        "tiny",
+        "--block-size",
+        "8",
+    ]
+    with RemoteOpenAIServer(args, module=CLI) as server:
+        # /v1 needs the key; probes and scrapers do not.
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            r = httpx.get(server.url_for("v1", "models"), headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(server.url_for("health")).status_code == 200
+        assert httpx.get(server.url_for("metrics")).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            server.get_client(api_key="wrong").models.list()
+        client = server.get_client(api_key="sesame")
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        result = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=5)
+        assert result.usage.completion_tokens == 5
+        # The random tiny model has no chat template: a clear 400.
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert info.value.body["param"] == "messages"
+        assert "no chat template" in info.value.body["message"]
+        assert server.stop(signal.SIGINT) == 0
+        assert "Application shutdown complete" in server.output()
+        assert group_is_gone(server)
+
+
+def test_a_bad_engine_option_stops_the_server_with_its_name():
+    result = subprocess.run(
+        [sys.executable, "-m", CLI, "serve", "--block-size", "0", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "block_size" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_shuts_the_server_down_cleanly_mid_stream(tiny_model_dir, sig):
+    """uvicorn lets the stream run on for a few seconds, then the server
+    shuts down (SIGINT: exit 0; SIGTERM: re-raised after the shutdown, as
+    uvicorn does), and nothing of its process group is left."""
+    model = tiny_model_dir("llama")
+    with RemoteOpenAIServer(["--model", model]) as server:
+        body = {
+            "model": model,
+            "prompt": [5, 6, 7],
+            "max_tokens": 500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.send_signal(sig)
+            try:  # it ends, or is cut when the grace period ends
+                for _ in lines:
+                    pass
+            except httpx.HTTPError:
+                pass
+        status = server.proc.wait(30)
+        assert status == (0 if sig == signal.SIGINT else -signal.SIGTERM)
+        assert "Application shutdown complete" in server.output()
+        assert group_is_gone(server)
+
+
+def test_a_failing_step_fails_requests_in_flight_and_health_turns_503(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    args = ["--model", model, "--scheduler-cls", "tests.failing_scheduler.FailingScheduler"]
+    with RemoteOpenAIServer(args) as server:
+        completions = server.url_for("v1", "completions")
+        # A long request in flight when the fault comes.
+        long = {"model": model, "prompt": [5, 6], "max_tokens": 500, "ignore_eos": True}
+        outcome = {}
+        thread = threading.Thread(
+            target=lambda: outcome.update(r=httpx.post(completions, json=long, timeout=60))
+        )
+        thread.start()
+        while not server.metrics()["vllm:num_requests_running"]:
+            assert thread.is_alive()
+        doomed = {
+            "model": model,
+            "prompt": [8, 9],
+            "max_tokens": FAULT_MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", completions, json=doomed, timeout=60) as r:
+            assert r.status_code == 200
+            events = [line[len("data: ") :] for line in r.iter_lines() if line]
+        thread.join(60)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert "InjectedFault" in error["message"] and error["type"] == "server_error"
+        assert all("choices" in json.loads(e) for e in events[:-2])
+        assert outcome["r"].status_code == 500
+        assert "InjectedFault" in outcome["r"].json()["error"]["message"]
+        health = httpx.get(server.url_for("health"))
+        assert health.status_code == 503 and "InjectedFault" in health.json()["error"]["message"]
+        late = httpx.post(completions, json={**long, "max_tokens": 3})
+        assert late.status_code == 503
+
+
+def test_chunked_prefill_streams_one_event_per_token():
+    """Every engine option is a flag: with chunked prefill a long prompt's
+    prefill takes several steps that make no token; the stream still has
+    the role first, then one event per token, and the offline text."""
+    flags = ["--enable-chunked-prefill", "--max-num-batched-tokens", "16", "--max-num-seqs", "8"]
+    prompt = "Long ago, there was a shy rabbit called Tom. Tom had a good friend called Poppy."
+    with RemoteOpenAIServer(flags) as server:
+        body = {
+            "model": "minivllm-stories",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 10,
+            "temperature": 0,
+            "stream": True,
+        }
+        with httpx.stream("POST", server.url_for("v1", "chat", "completions"), json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line[6:7] == "{"]
+        usage = server.get_client().chat.completions.create(**{**body, "stream": False}).usage
+    assert usage.prompt_tokens > 16  # so the prefill was split
+    llm = LLM(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(events) == 1 + 10
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events[1:]) == expected.text
