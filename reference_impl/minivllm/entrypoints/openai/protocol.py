@@ -205,6 +205,8 @@ class ChatMessageParam(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
+    # vLLM v0.6's chat default (its completions keep OpenAI's 1.0).
+    temperature: float | None = 0.7
     # max_completion_tokens is OpenAI's newer name for max_tokens. Neither:
     # up to the model's context length.
     max_tokens: int | None = None
