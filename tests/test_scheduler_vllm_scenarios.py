@@ -495,38 +495,54 @@ def test_prefix_cache_hits_are_not_charged_to_the_budget():
 
 
 def test_can_append_slots_wants_one_free_block_per_running_sequence():
-    """2 blocks of 4; a 5-token prompt (2 blocks) has sampled one token:
-    its 6th token fits in its last block, but no block is free, and vLLM v0
-    asks for one free block per running sequence: it is preempted."""
-    sched = make_scheduler(64, 8, 64, num_gpu_blocks=2)
-    g = prompt("0", 5)
-    sched.add_seq_group(g)
+    """4 blocks of 4; two 5-token prompts (2 blocks each) have sampled one
+    token. Each 6th token fits in its last block, but no block is free, and
+    vLLM v0 asks for one free block per running sequence: A (head) cannot
+    append, so B (tail) is preempted, and A decodes into its own block."""
+    sched = make_scheduler(64, 8, 64, num_gpu_blocks=4)
+    a, b = prompt("A", 5), prompt("B", 5)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
     step(sched)
-    add_token(g)
+    add_token(a, b)
     assert sched.block_manager.get_num_free_gpu_blocks() == 0
     out = step(sched)
-    assert batch(out) == [] and preempted(out) == [("0", RECOMPUTE)]
-    assert ids(sched.waiting) == ["0"] and sched.block_manager.get_num_free_gpu_blocks() == 2
+    assert batch(out) == [("A", 1)] and preempted(out) == [("B", RECOMPUTE)]
+    assert ids(sched.waiting) == ["B"] and sched.block_manager.get_num_free_gpu_blocks() == 2
 
 
 def test_watermark_applies_to_a_recomputed_request():
-    """100 blocks of 4, watermark 1 block. A 396-token prompt takes 99 blocks
-    (100 - 99 >= 1). Its 397th token opens block 100 (1 free: enough); at
-    398 no block is free, so it is preempted; to be readmitted it needs 100
-    blocks, and 100 - 100 < 1: it can never fit, and is ignored."""
-    sched = make_scheduler(400, 8, 400, num_gpu_blocks=100, watermark=0.01)
-    g = prompt("0", 396)
+    """100 blocks, watermark 1. A preempted request of 392 prompt tokens and 6
+    outputs (398 tokens: 100 blocks) asks to be readmitted: like any prompt it
+    may not use the watermark block, so it can never be (NEVER). With 2
+    outputs (394 tokens: 99 blocks) it fits."""
+    bm = BlockSpaceManager(4, 100, 0, watermark=0.01)
+    for num_outputs, want in ((6, AllocStatus.NEVER), (2, AllocStatus.OK)):
+        g = prompt("0", 392)  # still WAITING, as a RECOMPUTE victim is
+        for _ in range(num_outputs):
+            g.get_seqs()[0].append_token_id(7, 0.0)
+        assert bm.can_allocate(g) == want, num_outputs
+
+
+@pytest.mark.parametrize(
+    ("num_gpu_blocks", "watermark", "prompt_len"), [(2, 0.0, 5), (100, 0.01, 396)]
+)
+def test_a_request_alone_without_a_free_block_is_ignored(num_gpu_blocks, watermark, prompt_len):
+    """A kept difference. A request alone in the cache whose next token finds
+    no free block: vLLM preempts it, and readmits it next step if it fits
+    (2 blocks, a 5-token prompt: forever) or ignores it then because of the
+    watermark (100 blocks, watermark 1, 398 tokens need all 100). minivllm
+    sees at once that no preemption can help and ignores it in that step."""
+    sched = make_scheduler(400, 8, 400, num_gpu_blocks=num_gpu_blocks, watermark=watermark)
+    g = prompt("0", prompt_len)
     sched.add_seq_group(g)
-    assert batch(step(sched)) == [("0", 396)]
-    add_token(g)
-    assert batch(step(sched)) == [("0", 1)]
-    add_token(g)
-    assert sched.block_manager.get_num_free_gpu_blocks() == 0
+    while g.get_seqs()[0].get_len() < 4 * num_gpu_blocks - 2:  # up to the last block
+        step(sched)
+        add_token(g)
+    assert sched.block_manager.get_num_free_gpu_blocks() == 0 and sched.running
     out = step(sched)
-    assert preempted(out) == [("0", RECOMPUTE)] and batch(out) == []
-    out = step(sched)
-    assert out.ignored_seq_groups == [g] and batch(out) == []
-    assert g.get_seqs()[0].status == SequenceStatus.FINISHED_IGNORED
+    assert out.ignored_seq_groups == [g] and out.preempted == [] and batch(out) == []
+    assert sched.block_manager.get_num_free_gpu_blocks() == num_gpu_blocks
 
 
 def test_watermark_never_and_ok():

@@ -431,6 +431,15 @@ class Scheduler:
                 budget.subtract_num_batched_tokens(req_id, num_new_tokens)
                 budget.subtract_num_seqs(req_id, seq_group.get_max_num_running_seqs())
                 victim = self.running.pop() if self.running else seq_group
+                if victim is seq_group and self._can_never_append(seq_group, decodes + prefills):
+                    # vLLM would preempt it and readmit it, again and again.
+                    self._ignore(
+                        seq_group,
+                        out,
+                        "alone in the KV cache, it has no free block "
+                        "for each running sequence's next token",
+                    )
+                    break
                 self._preempt(victim, out)
                 if victim is seq_group:
                     break
@@ -445,6 +454,17 @@ class Scheduler:
                 if enable_chunking:
                     budget.add_num_seqs(req_id, seq_group.get_max_num_running_seqs())
         return decodes, prefills
+
+    def _can_never_append(
+        self, seq_group: SequenceGroup, scheduled: list[ScheduledSequenceGroup]
+    ) -> bool:
+        """Is the group short of free blocks for its next tokens while no
+        other group holds any (nothing else scheduled, nothing left in
+        `running`)? Then no preemption can ever make room for it."""
+        if scheduled or self.running:
+            return False
+        free = self.block_manager.get_num_free_gpu_blocks()
+        return free < seq_group.num_seqs(SequenceStatus.RUNNING)
 
     def _schedule_swapped(
         self, budget: SchedulingBudget, out: SchedulerOutputs
