@@ -382,6 +382,24 @@ def test_chunked_prefill_of_best_of_2_is_swapped_and_resumes_as_a_prefill():
     assert not g.is_prefill() and ids(sched.waiting) == ["2"]
 
 
+def test_chunked_swapped_prefill_longer_than_the_budget_comes_back_in_chunks():
+    """A kept difference. Budget 16; a 40-token best_of=2 prompt is swapped
+    out after its first 16 tokens. vLLM swaps a prefill back in only with
+    its whole rest (24 tokens), which a 16-token budget never holds: it
+    would stay swapped forever. minivllm swaps it in with a 16-token chunk,
+    then finishes the prompt with the last 8."""
+    sched = make_scheduler(16, 16, 64, num_gpu_blocks=100, num_cpu_blocks=100, chunked=True)
+    g = prompt("1", 40, best_of=2)
+    sched.add_seq_group(g)
+    assert batch(step(sched)) == [("1", 16)]
+    block_appends_for(sched, "1")
+    assert preempted(step(sched)) == [("1", SWAP)]
+    block_appends_for(sched)
+    out = step(sched)
+    assert batch(out) == [("1", 16)] and len(out.blocks_to_swap_in) == 10
+    assert batch(step(sched)) == [("1", 8)] and not g.is_prefill()
+
+
 def test_chunked_new_prompts_are_admitted_while_a_group_is_swapped():
     """vLLM test_running_prefill_prioritized_over_swap: while the swapped
     group cannot come back (LATER), the new prompt "2" is admitted anyway,

@@ -295,7 +295,7 @@ class Scheduler:
         swapped_decodes: list[ScheduledSequenceGroup] = []
         swapped_prefills: list[ScheduledSequenceGroup] = []
         if not self._preempted_any(out):
-            swapped_decodes, swapped_prefills = self._schedule_swapped(budget, out)
+            swapped_decodes, swapped_prefills = self._schedule_swapped(budget, out, enable_chunking)
         prefills = self._schedule_prefills(budget, out, enable_chunking)
         self._requeue_preempted(out)
         joined = swapped_decodes + swapped_prefills + running_decodes + running_prefills + prefills
@@ -451,8 +451,8 @@ class Scheduler:
                 else:
                     decodes.append(self._scheduled(seq_group, 1))
                 budget.add_num_batched_tokens(req_id, num_new_tokens)
-                if enable_chunking:
-                    budget.add_num_seqs(req_id, seq_group.get_max_num_running_seqs())
+                # A no-op after _schedule_default's reservation (same id).
+                budget.add_num_seqs(req_id, seq_group.get_max_num_running_seqs())
         return decodes, prefills
 
     def _can_never_append(
@@ -467,11 +467,13 @@ class Scheduler:
         return free < seq_group.num_seqs(SequenceStatus.RUNNING)
 
     def _schedule_swapped(
-        self, budget: SchedulingBudget, out: SchedulerOutputs
+        self, budget: SchedulingBudget, out: SchedulerOutputs, enable_chunking: bool = False
     ) -> tuple[list[ScheduledSequenceGroup], list[ScheduledSequenceGroup]]:
         """Bring swapped groups back from the head of `swapped` while they
         fit. A prefill swapped out mid-prompt comes back with the whole rest
-        of its prompt (never chunked). Returns (decodes, prefills)."""
+        of its prompt, as in vLLM, unless that rest exceeds the whole token
+        budget: then, with chunking, it comes back one chunk at a time.
+        Returns (decodes, prefills)."""
         decodes, prefills = [], []
         while self.swapped:
             seq_group = self.swapped[0]
@@ -486,7 +488,15 @@ class Scheduler:
             num_new_tokens = self._get_num_new_tokens(
                 seq_group, SequenceStatus.SWAPPED, False, budget
             )
-            if not budget.can_schedule(num_new_tokens=num_new_tokens, num_new_seqs=num_new_seqs):
+            if enable_chunking and num_new_tokens > budget.token_budget:
+                # vLLM never chunks a swap-in, so a prompt rest longer than
+                # the whole budget would never come back: chunk that one.
+                num_new_tokens = self._get_num_new_tokens(
+                    seq_group, SequenceStatus.SWAPPED, True, budget
+                )
+            if num_new_tokens == 0 or not budget.can_schedule(
+                num_new_tokens=num_new_tokens, num_new_seqs=num_new_seqs
+            ):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += self.block_manager.swap_in(seq_group)
