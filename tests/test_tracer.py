@@ -334,7 +334,7 @@ def test_dry_run_tokens_do_not_depend_on_the_batch(tiny_model_dir):
         dry_run=True,
         block_size=8,
         num_gpu_blocks_override=8,  # preempts
-        scheduling_policy="prefill_first",
+        scheduling_policy="priority",
     ).llm_engine
     mine = run(alone, [("mine", ids(2, 12))])["mine"]
     others = run(crowded, [("x", ids(50, 20)), ("mine", ids(2, 12)), ("y", ids(80, 9))])
