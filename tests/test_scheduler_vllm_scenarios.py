@@ -592,6 +592,14 @@ def test_watermark_applies_to_swap_in():
     small.swap_out(c)
     c.get_seqs()[0].status = SequenceStatus.SWAPPED
     assert small.can_swap_in(c) == AllocStatus.NEVER
+    # A kept difference: 99 blocks needed of 100 with a 2-block watermark can
+    # never leave the watermark free: NEVER here, LATER (forever) in vLLM.
+    tight = BlockSpaceManager(4, 100, 100, watermark=0.02)
+    tight.allocate(g2 := prompt("d", 392))
+    g2.get_seqs()[0].status = SequenceStatus.RUNNING
+    tight.swap_out(g2)
+    g2.get_seqs()[0].status = SequenceStatus.SWAPPED
+    assert tight.can_swap_in(g2) == AllocStatus.NEVER
 
 
 def test_block_manager_reset_frees_everything():

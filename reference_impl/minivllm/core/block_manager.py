@@ -228,7 +228,9 @@ class BlockSpaceManager:
         blocks = self._unique_blocks(seq_group, SequenceStatus.SWAPPED)
         # One more block per sequence: its next decode token may open a block.
         num_required = len(blocks) + seq_group.num_seqs(SequenceStatus.SWAPPED)
-        return self._can_fit(num_required, num_never=num_required)
+        # NEVER once it could not come back even to an empty pool without
+        # the watermark blocks: vLLM says LATER there, and it waits forever.
+        return self._can_fit(num_required, num_never=num_required + self.watermark_blocks)
 
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's blocks CPU -> device; returns (cpu, gpu) block pairs."""

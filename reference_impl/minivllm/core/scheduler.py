@@ -374,20 +374,29 @@ class Scheduler:
         chunking a single-sequence group: then at most what the token budget
         has left, and with prefix caching a whole number of blocks unless
         the chunk ends the prompt, so that full blocks can be cached as they
-        complete. A group of several sequences is never chunked. With prefix
+        complete. A group of several sequences is never chunked: 0 when it
+        does not fit what is left. With prefix
         caching, a waiting prompt's cached blocks are not counted (see
         `_num_uncached_tokens`).
         """
         seqs = seq_group.get_seqs(status)
+        if status == SequenceStatus.WAITING or seq_group.is_prefill():
+            # Sequences that still share their prompt compute it once, for
+            # all (in vLLM a prompt is forked only after its prefill).
+            seqs = seqs[:1]
         if status == SequenceStatus.WAITING:
             num_new_tokens = self._num_uncached_tokens(seqs[0])
         else:
             num_new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
-        if not enable_chunking or len(seqs) != 1:
+        if not enable_chunking:
             return num_new_tokens
         remaining = budget.remaining_token_budget()
         if remaining >= num_new_tokens:
             return num_new_tokens
+        if len(seqs) != 1:
+            # Never chunked: it waits for a step with room (vLLM schedules it
+            # anyway, past the budget, and fails its budget assertion).
+            return 0
         if self.cache_config.enable_prefix_caching:
             return remaining - remaining % self.cache_config.block_size
         return remaining
