@@ -312,10 +312,12 @@ class Scheduler:
         return bool(out.preempted or out.aborted_seq_groups)
 
     def _requeue_preempted(self, out: SchedulerOutputs) -> None:
-        """Put this step's victims back in line. RECOMPUTE victims go to the
-        head of `waiting`, in arrival order (they were taken newest first),
-        ahead of prompts that never ran; SWAP victims join `swapped`'s tail
-        in the order they were preempted."""
+        """Put this step's victims back in line, as vLLM does. RECOMPUTE
+        victims go to the head of `waiting`, ahead of prompts that never
+        ran, in the order they had in `running` (they were taken from its
+        tail, so they are put back front-first); SWAP victims join the tail
+        of `swapped` in the order they were preempted, the last of
+        `running` first."""
         for seq_group, mode in out.preempted:
             if mode == PreemptionMode.RECOMPUTE:
                 self.waiting.appendleft(seq_group)
