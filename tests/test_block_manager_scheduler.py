@@ -21,7 +21,7 @@ from minivllm.core.block_manager import (
     BlockSpaceManager,
     Device,
 )
-from minivllm.core.scheduler import Scheduler, SchedulerOutputs
+from minivllm.core.scheduler import MixedBatchScheduler, Scheduler, SchedulerOutputs
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -38,6 +38,7 @@ def make_scheduler(
     max_model_len: int = 64,
     preemption_mode: str | None = "recompute",
     watermark: float = 0.0,
+    scheduler_cls: type[Scheduler] = Scheduler,
 ) -> Scheduler:
     cache_config = CacheConfig(block_size=block_size)
     cache_config.num_gpu_blocks = num_gpu_blocks
@@ -48,7 +49,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         preemption_mode=preemption_mode,
     )
-    return Scheduler(scheduler_config, cache_config, watermark=watermark)
+    return scheduler_cls(scheduler_config, cache_config, watermark=watermark)
 
 
 def make_group(
@@ -101,11 +102,14 @@ def table(scheduler: Scheduler, group: SequenceGroup) -> list[int]:
     return scheduler.block_manager.get_block_table(group.seqs[0])
 
 
-# -- 1. max_num_seqs -------------------------------------------------------------
+# -- 1. max_num_seqs (MixedBatchScheduler: decodes and prompts share a step) -----
 
 
 def test_admission_limited_by_max_num_seqs_counting_running():
-    sched = make_scheduler(block_size=4, num_gpu_blocks=16, max_num_seqs=2)
+    # vLLM's default would run r1's prefill alone (test_scheduler_vllm_scenarios.py).
+    sched = make_scheduler(
+        block_size=4, num_gpu_blocks=16, max_num_seqs=2, scheduler_cls=MixedBatchScheduler
+    )
     targets = {f"r{i}": 10 for i in range(4)}
     r0 = make_group("r0", 0, 4, 4, 0.0)
     sched.add_seq_group(r0)
@@ -131,11 +135,12 @@ def test_admission_limited_by_max_num_seqs_counting_running():
     assert ids(sched.waiting) == ["r2", "r3"]
 
 
-# -- 2. token budget ----------------------------------------------------------------
+# -- 2. token budget (MixedBatchScheduler: the Day 3 worked example) ----------------
 
 
 def test_token_budget_admits_prefill_that_fits_and_keeps_next_waiting():
     sched = make_scheduler(
+        scheduler_cls=MixedBatchScheduler,
         block_size=16,
         num_gpu_blocks=16,
         max_num_seqs=8,
@@ -235,25 +240,27 @@ def test_decode_allocates_new_block_only_when_last_block_full():
 
 
 def _recompute_setup():
-    """3 blocks of 4; r0 (4 tokens), r1 (3), r2 (4) take blocks 0, 1, 2; r3 waits.
+    """4 blocks of 4; r0 (4 tokens), r1 (3), r2 (4) take blocks 0, 1, 2; r3
+    (5 tokens: 2 blocks) waits, as 1 block is free.
 
     After one step r0 and r2 have 5 tokens and each need a second block; r1
-    has 4 and does not.
+    has 4 and needs none, but vLLM's can_append_slots still asks for one
+    free block per running sequence.
     """
-    sched = make_scheduler(block_size=4, num_gpu_blocks=3, preemption_mode="recompute")
+    sched = make_scheduler(block_size=4, num_gpu_blocks=4, preemption_mode="recompute")
     targets = {"r0": 2, "r1": 2, "r2": 5, "r3": 3}
     groups = {
         "r0": make_group("r0", 0, 4, 4, 0.0),
         "r1": make_group("r1", 1, 3, 4, 1.0),
         "r2": make_group("r2", 2, 4, 4, 2.0),
-        "r3": make_group("r3", 3, 1, 4, 3.0),
+        "r3": make_group("r3", 3, 5, 4, 3.0),
     }
     for g in groups.values():
         sched.add_seq_group(g)
     _, out = sched.schedule()
     assert scheduled_ids(out) == [("r0", 4), ("r1", 3), ("r2", 4)]
     assert [table(sched, groups[r]) for r in ("r0", "r1", "r2")] == [[0], [1], [2]]
-    assert ids(sched.waiting) == ["r3"]  # 0 free blocks: LATER
+    assert ids(sched.waiting) == ["r3"]  # 1 free block < 2: LATER
     simulate_model_step(sched, out, targets)
     return sched, groups, targets
 
@@ -264,7 +271,9 @@ def test_recompute_preempts_last_arrived_running_request():
     assert r2_seq.data.num_computed_tokens == 4
 
     _, out = sched.schedule()
-    # r0 needs a block, none free: the victim is r2 (last arrival), not r1.
+    # r3 still cannot be admitted (LATER), so the step decodes. r0 takes the
+    # free block 3; then r1 finds none free: the victim is r2 (the tail of
+    # running, the last arrival), not r1 itself, and r1 decodes.
     assert [(g.request_id, mode) for g, mode in out.preempted] == [("r2", PreemptionMode.RECOMPUTE)]
     assert ids(sched.waiting) == ["r2", "r3"]  # to the front
     assert ids(sched.running) == ["r0", "r1"]
@@ -273,11 +282,9 @@ def test_recompute_preempts_last_arrived_running_request():
     assert r2_seq.data.num_computed_tokens == 0
     assert r2_seq.is_prefill()
     assert r2_seq.get_output_len() == 1  # generated tokens are kept
-    # r2's block 2 was freed and handed straight to r0.
-    assert table(sched, groups["r0"]) == [0, 2]
+    assert table(sched, groups["r0"]) == [0, 3]
     assert table(sched, groups["r1"]) == [1]
-    assert sched.block_manager.get_num_free_gpu_blocks() == 0
-    # No prefill in a step that preempted.
+    assert sched.block_manager.get_num_free_gpu_blocks() == 1  # r2's block 2
     assert scheduled_ids(out) == [("r0", 1), ("r1", 1)]
     assert out.num_prefill_groups == 0
     assert out.num_batched_tokens == 2
@@ -287,20 +294,21 @@ def test_recomputed_request_prefills_prompt_plus_generated_tokens():
     sched, groups, targets = _recompute_setup()
     _, out = sched.schedule()  # preempts r2 (previous test)
     simulate_model_step(sched, out, targets)  # r0 and r1 reach 2 outputs and finish
-    assert sched.block_manager.get_num_free_gpu_blocks() == 3
+    assert sched.block_manager.get_num_free_gpu_blocks() == 4
 
     _, out = sched.schedule()
-    # r2: 4 prompt + 1 generated = 5 tokens = 2 blocks; r3: 1 token = 1 block.
-    # Free stack after r0 frees [0, 2] and r1 frees [1]: pops 1, 2 then 0.
-    assert scheduled_ids(out) == [("r2", 5), ("r3", 1)]
+    # r2 (at the head): 4 prompt + 1 generated = 5 tokens = 2 blocks; r3: 5
+    # tokens = 2 blocks. Freed in order: 2 (r2), then 0, 3 (r0), then 1 (r1);
+    # the last freed is handed out first: 1, 3 for r2, then 0, 2 for r3.
+    assert scheduled_ids(out) == [("r2", 5), ("r3", 5)]
     assert out.num_prefill_groups == 2
-    assert out.num_batched_tokens == 6
+    assert out.num_batched_tokens == 10
     scheduled_r2 = out.scheduled_seq_groups[0]
     assert scheduled_r2.seq_group.is_prefill()
     r2_seq = groups["r2"].seqs[0]
     assert scheduled_r2.token_chunk_size == r2_seq.get_prompt_len() + r2_seq.get_output_len()
-    assert table(sched, groups["r2"]) == [1, 2]
-    assert table(sched, groups["r3"]) == [0]
+    assert table(sched, groups["r2"]) == [1, 3]
+    assert table(sched, groups["r3"]) == [0, 2]
     simulate_model_step(sched, out, targets)
     assert r2_seq.data.num_computed_tokens == 5
     assert not r2_seq.is_prefill()
@@ -548,10 +556,10 @@ def test_abort_from_waiting_running_and_swapped_frees_blocks():
     assert (out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy) == ([], [], [])
 
 
-# -- the watermark never throws away a preempted request's work ---------------------
+# -- the watermark holds for a preempted request too (vLLM v0's rule) ---------------
 
 
-def test_recomputed_request_needing_the_watermark_blocks_resumes():
+def test_recomputed_request_needing_the_watermark_blocks_is_ignored():
     # Same pool: 10 blocks of 1 token, watermark 2. b (7-token prompt) grows to
     # 8 tokens, a then needs a block: b is preempted by RECOMPUTE.
     sched = make_scheduler(block_size=1, num_gpu_blocks=10, max_num_seqs=4, watermark=0.2)
@@ -570,8 +578,8 @@ def test_recomputed_request_needing_the_watermark_blocks_resumes():
     assert [(g.request_id, m) for g, m in out.preempted] == [("b", PreemptionMode.RECOMPUTE)]
     assert scheduled_ids(out) == [("a", 1)]
     simulate_model_step(sched, out, targets)  # a reaches 3 outputs and finishes
-    # b now holds 7 + 2 = 9 tokens -> 9 blocks; 10 - 9 = 1 < watermark 2, but it
-    # has generated tokens, so it resumes instead of being ignored.
+    # b now holds 7 + 2 = 9 tokens -> 9 blocks; 10 - 9 = 1 < watermark 2: like
+    # any prompt, it may never use the watermark blocks, so it is ignored.
     _, out = sched.schedule()
-    assert out.ignored_seq_groups == []
-    assert scheduled_ids(out) == [("b", 9)]
+    assert out.ignored_seq_groups == [b] and scheduled_ids(out) == []
+    assert b.seqs[0].status == SequenceStatus.FINISHED_IGNORED

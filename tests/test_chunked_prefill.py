@@ -20,8 +20,8 @@ from tests.test_block_manager_scheduler import simulate_model_step
     [
         {},
         {"enable_prefix_caching": True},
-        {"num_gpu_blocks_override": 12, "preemption_mode": "recompute"},
-        {"num_gpu_blocks_override": 12, "preemption_mode": "swap", "enable_prefix_caching": True},
+        {"num_gpu_blocks_override": 13, "preemption_mode": "recompute"},
+        {"num_gpu_blocks_override": 13, "preemption_mode": "swap", "enable_prefix_caching": True},
     ],
 )
 def test_chunked_outputs_match_hf(arch, extra, tiny_model_dir, hf_model):

@@ -34,12 +34,15 @@ def test_one_at_a_time_matches_hf(arch, tiny_model_dir, hf_model):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_matches_hf(arch, mode, tiny_model_dir, hf_model, monkeypatch):
-    # 12 blocks of 8 tokens hold at most 96 tokens: the longest request alone
-    # needs 60 + 32 = 92, so the batch of 8 must preempt to make progress.
+    # 13 blocks of 8 tokens hold at most 104 tokens: the longest request alone
+    # needs 60 + 32 = 92 (12 blocks), so the batch of 8 must preempt to make
+    # progress. (In 12 blocks that request, alone, would hold them all and
+    # still lack the free block vLLM's can_append_slots wants: it would never
+    # run.)
     llm = LLM(
         tiny_model_dir(arch),
         block_size=8,
-        num_gpu_blocks_override=12,
+        num_gpu_blocks_override=13,
         swap_space=0.01,
         preemption_mode=mode,
     )
@@ -58,5 +61,5 @@ def test_preemption_matches_hf(arch, mode, tiny_model_dir, hf_model, monkeypatch
         assert moves["swap_in"] == moves["swap_out"] == []
     # Every block is back in the pools.
     bm = engine.scheduler.block_manager
-    assert bm.get_num_free_gpu_blocks() == 12
+    assert bm.get_num_free_gpu_blocks() == 13
     assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks

@@ -71,7 +71,9 @@ def test_recompute_of_a_group_whose_first_sequence_finished(backend, tiny_model_
     ]
     assert recomputed and recomputed[0].seqs[0].is_finished()
     reprefills = [m for md, _ in schedules for m in md if m.request_id == "B" and m.is_prompt]
-    assert len(reprefills) == 2 and reprefills[1].token_chunk_size > 10
+    # Its first prefill, then one or more re-prefills (vLLM's cautious
+    # can_append_slots may preempt it again right after it comes back).
+    assert len(reprefills) >= 2 and all(m.token_chunk_size > 10 for m in reprefills[1:])
 
     roomy = LLM(model, block_size=4, num_gpu_blocks_override=64, attention_backend=backend)
     expected = run_with_first_sequence_stopped(roomy)

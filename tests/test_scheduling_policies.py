@@ -1,4 +1,6 @@
-"""The two scheduling policies form different batches but the same tokens."""
+"""Batch composition (vLLM's default, the course's MixedBatchScheduler,
+chunked prefill) and queue order (fcfs, priority) change the batches, never
+the tokens."""
 
 from __future__ import annotations
 
@@ -6,21 +8,32 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import CacheConfig, PreemptionMode, SchedulerConfig
-from minivllm.core.scheduler import Scheduler
+from minivllm.core.scheduler import MixedBatchScheduler, Scheduler
 from minivllm.sequence import Sequence, SequenceGroup
 from tests.engine_spies import batch_shapes, record_schedules
 from tests.hf_oracle import GREEDY, assert_matches_hf, make_prompts, poison_kv_cache
 from tests.test_block_manager_scheduler import simulate_model_step
 
+COMPOSITIONS = {
+    "default": {},
+    "mixed": {"scheduler_cls": MixedBatchScheduler},
+    "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 16},
+}
 
-@pytest.mark.parametrize("blocks", [64, 12])
-def test_policies_give_hf_tokens_in_different_batches(blocks, tiny_model_dir, hf_model):
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+# 13 blocks of 8 preempt; with 12, the 96-token request would hold every
+# block and still lack one for its next token (vLLM: preempted forever).
+@pytest.mark.parametrize("blocks", [64, 13])
+def test_batch_compositions_give_hf_tokens_in_different_batches(
+    blocks, policy, tiny_model_dir, hf_model
+):
     prompts = make_prompts(384)
     # Different lengths make requests finish at different steps, so new
     # prompts are admitted while others decode.
     params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i) for i in range(len(prompts))]
     batches = {}
-    for policy in ("fcfs", "prefill_first"):
+    for name, composition in COMPOSITIONS.items():
         llm = LLM(
             tiny_model_dir("llama"),
             block_size=8,
@@ -28,38 +41,39 @@ def test_policies_give_hf_tokens_in_different_batches(blocks, tiny_model_dir, hf
             swap_space=0.01,
             max_num_seqs=3,
             scheduling_policy=policy,
+            **composition,
         )
         poison_kv_cache(llm)
         schedules = record_schedules(llm)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        priority = [i % 3 for i in range(len(prompts))] if policy == "priority" else None
+        outputs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
         for prompt, output, p in zip(prompts, outputs, params, strict=True):
             assert_matches_hf(hf_model("llama"), [prompt], [output], max_tokens=p.max_tokens)
-        batches[policy] = batch_shapes(schedules)
-        assert (llm.llm_engine.scheduler.num_cumulative_preemption > 0) == (blocks == 12)
+        batches[name] = batch_shapes(schedules)
+        assert (llm.llm_engine.scheduler.num_cumulative_preemption > 0) == (blocks == 13)
 
     def mixed(step):
         return any(p for p, _, _ in step) and any(not p for p, _, _ in step)
 
-    assert any(mixed(step) for step in batches["fcfs"])
-    assert not any(mixed(step) for step in batches["prefill_first"])
-    assert batches["fcfs"] != batches["prefill_first"]
+    assert not any(mixed(step) for step in batches["default"])
+    assert any(mixed(step) for step in batches["mixed"])
+    assert any(mixed(step) for step in batches["chunked"])
+    assert len({str(b) for b in batches.values()}) == 3
 
 
 @pytest.mark.parametrize(
-    ("policy", "expected"),
+    ("scheduler_cls", "expected"),
     [
-        # fcfs: r0's decode and p's prefill share the step.
-        ("fcfs", [[("p", 6), ("r0", 1)], [("r0", 1), ("p", 1)]]),
-        # prefill_first: p's prefill runs alone; r0 waits a step.
-        ("prefill_first", [[("p", 6)], [("r0", 1), ("p", 1)]]),
+        # MixedBatchScheduler: r0's decode and p's prefill share the step.
+        (MixedBatchScheduler, [[("p", 6), ("r0", 1)], [("r0", 1), ("p", 1)]]),
+        # vLLM's default: p's prefill runs alone; r0 waits a step.
+        (Scheduler, [[("p", 6)], [("r0", 1), ("p", 1)]]),
     ],
 )
-def test_one_step_by_hand(policy, expected):
+def test_one_step_by_hand(scheduler_cls, expected):
     cache_config = CacheConfig(block_size=4)
     cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = 16, 0
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_model_len=64, scheduling_policy=policy), cache_config
-    )
+    sched = scheduler_cls(SchedulerConfig(max_num_seqs=4, max_model_len=64), cache_config)
     params = SamplingParams(temperature=0)
     sched.add_seq_group(SequenceGroup("r0", [Sequence(0, None, [5, 6, 7], 4)], params, 0.0))
     _, out = sched.schedule()
@@ -76,13 +90,11 @@ def test_one_step_by_hand(policy, expected):
 
 
 def test_policy_arguments_are_checked(tiny_model_dir):
-    with pytest.raises(
-        ValueError,
-        match=r"must be one of \['fcfs', 'prefill_first', 'priority'\], got 'lifo'",
-    ):
-        LLM(tiny_model_dir("llama"), scheduling_policy="lifo")
-    with pytest.raises(ValueError, match="cannot chunk prefills"):
-        LLM(tiny_model_dir("llama"), scheduling_policy="prefill_first", enable_chunked_prefill=True)
+    for wrong in ("lifo", "prefill_first"):  # prefill-first is the default batching now
+        with pytest.raises(
+            ValueError, match=rf"must be one of \['fcfs', 'priority'\], got '{wrong}'"
+        ):
+            LLM(tiny_model_dir("llama"), scheduling_policy=wrong)
 
 
 def make_priority_scheduler(num_gpu_blocks: int, max_num_seqs: int) -> Scheduler:

@@ -236,17 +236,20 @@ def test_unobserved_step_does_no_tracing_work(tiny_model_dir, monkeypatch):
     engine.add_request("b", ids(9, 3), SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
-    assert calls == {"build": 2, "queues": 2}
+    # Three observed steps: b's prefill alone (vLLM's default runs no decode
+    # beside a prefill), then a and b decode, then a's last token.
+    assert calls == {"build": 3, "queues": 3}
     assert recorder.added == ["b"]
     first = recorder.records[0]
     assert first.queues_before == {"waiting": ["b"], "running": ["a"], "swapped": []}
-    assert first.batch.input_ids[:3] == [9, 10, 11]  # b's prefill comes first
-    assert first.batch.positions == [0, 1, 2, 6]  # then a's decode at position 6
+    assert first.batch.input_ids == [9, 10, 11]  # b's prefill only
+    assert first.batch.positions == [0, 1, 2]
+    assert recorder.records[1].batch.positions == [6, 3]  # a's decode, then b's
 
     engine.remove_step_observer(recorder)
     engine.add_request("c", ids(2, 3), SamplingParams(max_tokens=2))
     engine.step()
-    assert len(recorder.records) == 2
+    assert len(recorder.records) == 3
 
 
 # -- a killed run -------------------------------------------------------------------
@@ -334,7 +337,7 @@ def test_dry_run_tokens_do_not_depend_on_the_batch(tiny_model_dir):
         dry_run=True,
         block_size=8,
         num_gpu_blocks_override=8,  # preempts
-        scheduling_policy="prefill_first",
+        scheduling_policy="priority",
     ).llm_engine
     mine = run(alone, [("mine", ids(2, 12))])["mine"]
     others = run(crowded, [("x", ids(50, 20)), ("mine", ids(2, 12)), ("y", ids(80, 9))])

@@ -107,8 +107,11 @@ def test_scenario_specifics(traces):
         for s in recompute.steps
         if any(e["request_id"] == "C" and e["is_prefill"] for e in s["scheduled"])
     ]
-    # C's prompt (40) plus the tokens it had generated are prefilled again.
-    assert len(refill) == 2 and refill[1]["scheduled"][0]["num_tokens"] > 40
+    # C's prompt (40) plus the tokens it had generated are prefilled again:
+    # 16 times (vLLM's can_append_slots preempts it at once while A and B
+    # hold the cache; see lessons/day3_request_lifecycle.md, section 6).
+    assert len(refill) == 17
+    assert [s["scheduled"][0]["num_tokens"] for s in refill[1:]] == list(range(50, 66))
     cache = load_trace(traces["prefix_cache"])
     lives = cache.lifecycles()
     assert [lives[r].prefix_cache_hit_tokens for r in "ABCD"] == [0, 64, 64, 0]
@@ -227,8 +230,8 @@ def test_html_page_holds_each_block_table_layout_once(traces):
 def test_html_page_grows_by_a_few_hundred_bytes_a_step(traces):
     """A diagram per step made 20,000 steps 2.9 GB: the page now carries a
     step's data, and draws it in the browser."""
-    trace = load_trace(traces["preempt_swap"])  # 55 steps, 3 requests
-    small, large = (len(trace_page(trace, steps=range(n)).encode()) for n in (5, 55))
+    trace = load_trace(traces["preempt_swap"])  # 70 steps, 3 requests
+    small, large = (len(trace_page(trace, steps=range(n)).encode()) for n in (5, 70))
     assert (large - small) / 50 < 400
 
 
@@ -303,7 +306,7 @@ def test_timeline_json_is_chrome_trace_events(traces, tmp_path):
     c_spans = [e for e in spans if e["pid"] == 1 and e["tid"] == tid_c]
     for before, after in zip(c_spans, c_spans[1:], strict=False):
         assert after["ts"] == pytest.approx(before["ts"] + before["dur"])
-    assert len([e for e in spans if e["pid"] == 0 and e["tid"] == 0]) == 55  # one per step
+    assert len([e for e in spans if e["pid"] == 0 and e["tid"] == 0]) == 70  # one per step
 
 
 def test_timeline_png(traces, tmp_path):
@@ -525,7 +528,7 @@ def test_views_of_every_step_refuse_too_many_and_take_a_range(
 ):
     monkeypatch.setenv("COLUMNS", "140")
     monkeypatch.setattr(trace_module, "MAX_STEPS_AT_ONCE", 20)
-    path = str(traces["preempt_swap"])  # 55 steps
+    path = str(traces["preempt_swap"])  # 70 steps
     page, chrome = tmp_path / "steps.html", tmp_path / "t.json"
     printed_rows = []
     for args in (
@@ -535,7 +538,7 @@ def test_views_of_every_step_refuse_too_many_and_take_a_range(
     ):
         assert main(args) == 1
         err = one_line_error(capsys, args[0])
-        assert "at most 20 steps at once and this trace has 55: choose them with --steps A:B" in err
+        assert "at most 20 steps at once and this trace has 70: choose them with --steps A:B" in err
         assert main([*args, "--steps", "10:20"]) == 0
         out = capsys.readouterr().out
         printed_rows += [line for line in out.splitlines() if line.startswith("│")]
@@ -546,17 +549,17 @@ def test_views_of_every_step_refuse_too_many_and_take_a_range(
     assert engine_steps == [f"step {n}" for n in range(10, 20)]
     assert min(e["ts"] for e in events if e["ph"] == "X") == 0
     # Asked for explicitly, every step is drawn.
-    assert main(["render", path, "-o", str(page), "--steps", "0:55"]) == 0
-    assert len(page_data(page.read_text())["steps"]) == 55
+    assert main(["render", path, "-o", str(page), "--steps", "0:70"]) == 0
+    assert len(page_data(page.read_text())["steps"]) == 70
 
 
 def test_step_ranges_are_checked(traces, capsys):
     path = str(traces["preempt_swap"])
-    for spec in ("5", "a:b", "-1:4", "55:", "30:10"):
+    for spec in ("5", "a:b", "-1:4", "70:", "30:10"):
         assert main(["show", path, f"--steps={spec}"]) == 1, spec
         assert "--steps" in one_line_error(capsys, "show")
-    assert main(["show", path, "--steps", "50:"]) == 0  # an open end: to the last step
-    assert "steps 50 to 54 of 55" in capsys.readouterr().out
+    assert main(["show", path, "--steps", "65:"]) == 0  # an open end: to the last step
+    assert "steps 65 to 69 of 70" in capsys.readouterr().out
 
 
 def test_timeline_png_refuses_more_rows_than_an_image_holds(traces, tmp_path, capsys, monkeypatch):

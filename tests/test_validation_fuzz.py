@@ -108,7 +108,7 @@ ENGINE_FIELDS = {
     "max_num_batched_tokens": st.one_of(st.none(), st.integers(1, 4096)),
     "preemption_mode": st.sampled_from([None, "swap", "recompute", PreemptionMode.RECOMPUTE]),
     "enable_chunked_prefill": st.booleans(),
-    "scheduling_policy": st.sampled_from(["fcfs", "prefill_first", "priority"]),
+    "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
     "disable_log_stats": st.booleans(),
     "tensor_parallel_size": st.just(1),
     "enforce_eager": st.booleans(),

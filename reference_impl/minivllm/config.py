@@ -284,10 +284,11 @@ class SchedulerConfig:
     prompt of `max_model_len` tokens. With `enable_chunked_prefill`, long
     prompts are split across steps to fit it (default 512, as in vLLM).
     `preemption_mode=None` follows vLLM: RECOMPUTE for single-sequence
-    requests, SWAP for several sequences. `scheduling_policy` is "fcfs"
-    (mixed prefill + decode batches), "prefill_first" (vLLM v0's classic
-    prefill-only and decode-only steps) or "priority" (fcfs batches, queues
-    ordered by each request's priority, then arrival); see core/scheduler.py.
+    requests, SWAP for several sequences. `scheduling_policy` only orders
+    the queues: "fcfs" (arrival) or "priority" (each request's priority,
+    then arrival). What a step's batch holds follows `enable_chunked_prefill`
+    as in vLLM v0: without it a step is all prefills or all decodes, with it
+    decodes and prompt chunks share a step; see core/scheduler.py.
     """
 
     max_num_seqs: int = 256
@@ -314,13 +315,7 @@ class SchedulerConfig:
             )
         self.max_model_len = check_int("max_model_len", self.max_model_len, low=1)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
-        policies = ("fcfs", "prefill_first", "priority")
-        check_choice("scheduling_policy", self.scheduling_policy, policies)
-        if self.scheduling_policy == "prefill_first" and self.enable_chunked_prefill:
-            raise ValueError(
-                "scheduling_policy='prefill_first' cannot chunk prefills (its steps are all "
-                "prefill or all decode): use enable_chunked_prefill=False or the 'fcfs' policy"
-            )
+        check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         if self.max_num_batched_tokens is None:
             if self.enable_chunked_prefill:
                 self.max_num_batched_tokens = max(512, self.max_num_seqs)

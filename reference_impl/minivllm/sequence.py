@@ -114,8 +114,8 @@ def num_samples_to_draw(params: SamplingParams, data: SequenceData) -> int:
     """How many tokens a sequence samples when its group samples: `best_of`
     at a prompt's first sample (the sequences the request forks into), one
     at every later step. Greedy requests have best_of 1 (SamplingParams
-    refuses more), so they always draw one. The sampler, the dry-run worker
-    and the scheduler's `get_max_num_running_seqs` all follow this rule."""
+    refuses more), so they always draw one. The sampler and the dry-run
+    worker follow this rule."""
     return 1 if data.output_token_ids else params.best_of
 
 
@@ -302,12 +302,16 @@ class SequenceGroup:
         return len(self.get_seqs(status))
 
     def get_max_num_running_seqs(self) -> int:
-        """The most sequences this group can have running at once from now on:
-        a prompt not yet sampled will fork into one sequence per token its
-        first sample draws (`num_samples_to_draw`)."""
-        first = self.seqs[0]
-        if first.get_output_len() == 0:
-            return num_samples_to_draw(self.sampling_params, first.data)
+        """The most sequences this group can have running at once from now on.
+
+        vLLM's rule: while the group holds fewer sequences than `best_of`
+        (finished ones counted), it may still fork into `best_of`, so it
+        counts as that many; once it has forked, its unfinished sequences
+        count. The scheduler reserves this many `max_num_seqs` slots for the
+        group and preempts by RECOMPUTE only when it is 1.
+        """
+        if self.sampling_params.best_of > len(self.seqs):
+            return self.sampling_params.best_of
         return len(self.get_unfinished_seqs())
 
     def add(self, seq: Sequence) -> None:
@@ -335,7 +339,16 @@ class SequenceGroup:
             self.metrics.first_token_time = now
 
     def __repr__(self) -> str:
-        return f"SequenceGroup(request_id={self.request_id}, num_seqs={len(self.seqs)})"
+        """One short line, so that printing a scheduler queue (a deque of
+        groups) at a breakpoint shows where each request stands."""
+        seqs = self.get_unfinished_seqs() or self.seqs
+        statuses = "/".join(dict.fromkeys(seq.status.name for seq in seqs))
+        first = seqs[0].data
+        return (
+            f"SequenceGroup(request_id={self.request_id}, status={statuses}, "
+            f"num_seqs={len(self.seqs)}, len={first.get_len()}, "
+            f"computed={first.num_computed_tokens})"
+        )
 
 
 @dataclass

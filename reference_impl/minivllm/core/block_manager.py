@@ -35,9 +35,11 @@ BlockTable = list[PhysicalTokenBlock]
 class BlockSpaceManager:
     """Maps sequences to physical blocks in the device and CPU pools.
 
-    `watermark` (a fraction of the device pool) is kept free when admitting
-    new prompts, so that running sequences can still grow by a block without
-    an immediate preemption.
+    `watermark` (a fraction of the device pool) is kept free whenever a
+    group joins the device pool, by admission (`can_allocate`, recomputed
+    requests included) or by swap-in (`can_swap_in`), as in vLLM v0: running
+    sequences can then still grow by a block without an immediate
+    preemption.
 
     With `enable_caching` (prefix caching), a new sequence reuses the cached
     blocks of its longest cached prefix, and full computed blocks are kept
@@ -70,14 +72,13 @@ class BlockSpaceManager:
 
     # -- admitting a prompt ------------------------------------------------
 
-    def _can_fit(self, num_required: int, is_new: bool) -> AllocStatus:
-        """The watermark holds back fresh prompts only. A preempted request
-        has already generated tokens: refusing it (NEVER) would throw that
-        work away, so it may use the watermark blocks."""
-        watermark = self.watermark_blocks if is_new else 0
-        if self.num_total_gpu_blocks - num_required < watermark:
+    def _can_fit(self, num_required: int, num_never: int) -> AllocStatus:
+        """OK when `num_required` blocks can be taken now and the watermark
+        still left free; NEVER when the pool holds fewer than `num_never`
+        blocks at all, so waiting cannot help; LATER otherwise."""
+        if self.num_total_gpu_blocks < num_never:
             return AllocStatus.NEVER
-        if self.gpu_allocator.get_num_free_blocks() - num_required >= watermark:
+        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -111,7 +112,10 @@ class BlockSpaceManager:
         # Cached blocks in use by others cost nothing; evictable ones are
         # counted as free, so taking them costs a free block like a new one.
         shared = sum(block.ref_count > 0 for block in self._cached_prefix(seq))
-        return self._can_fit(seq.n_blocks - shared, is_new=seq.get_output_len() == 0)
+        # A prompt may never use the watermark blocks, even alone in the pool
+        # (vLLM's rule; it holds for a recomputed request too).
+        num_never = seq.n_blocks + self.watermark_blocks
+        return self._can_fit(seq.n_blocks - shared, num_never)
 
     def allocate(self, seq_group: SequenceGroup) -> int:
         """Give the waiting sequences blocks for every token they have.
@@ -173,19 +177,16 @@ class BlockSpaceManager:
 
     # -- growing a running sequence ----------------------------------------
 
-    def _needs_new_block(self, seq: Sequence) -> bool:
-        """Does the slot of this sequence's next token need a fresh block?
-
-        Yes when its last block is full (a new logical block begins) or when
-        the last block is shared and must be copied before it is written.
-        """
-        block_table = self.block_tables[seq.seq_id]
-        return len(block_table) < seq.n_blocks or block_table[-1].ref_count > 1
-
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
-        running = seq_group.get_seqs(SequenceStatus.RUNNING)
-        num_required = sum(self._needs_new_block(seq) for seq in running)
-        return num_required <= self.gpu_allocator.get_num_free_blocks()
+        """Can every running sequence of the group take its next token?
+
+        vLLM v0's simple, cautious rule: one free block per running sequence,
+        whether or not that sequence will need a new block this step (a new
+        logical block, or a copy of a shared last block). It may preempt a
+        step earlier than strictly needed, but never too late.
+        """
+        num_seqs = seq_group.num_seqs(SequenceStatus.RUNNING)
+        return num_seqs <= self.gpu_allocator.get_num_free_blocks()
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make room for the sequence's newest token.
@@ -227,7 +228,9 @@ class BlockSpaceManager:
         blocks = self._unique_blocks(seq_group, SequenceStatus.SWAPPED)
         # One more block per sequence: its next decode token may open a block.
         num_required = len(blocks) + seq_group.num_seqs(SequenceStatus.SWAPPED)
-        return self._can_fit(num_required, is_new=False)
+        # NEVER once it could not come back even to an empty pool without
+        # the watermark blocks: vLLM says LATER there, and it waits forever.
+        return self._can_fit(num_required, num_never=num_required + self.watermark_blocks)
 
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's blocks CPU -> device; returns (cpu, gpu) block pairs."""
@@ -271,7 +274,10 @@ class BlockSpaceManager:
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks (finished, aborted or recomputed)."""
-        block_table = self.block_tables.pop(seq.seq_id, None)
+        self._free_table(seq.seq_id)
+
+    def _free_table(self, seq_id: int) -> None:
+        block_table = self.block_tables.pop(seq_id, None)
         if block_table is None:
             return  # never allocated, or already freed
         for block in block_table:
@@ -279,6 +285,11 @@ class BlockSpaceManager:
                 self.gpu_allocator.free(block)
             else:
                 self.cpu_allocator.free(block)
+
+    def reset(self) -> None:
+        """Free every sequence's blocks: an empty cache, as at the start."""
+        for seq_id in list(self.block_tables):
+            self._free_table(seq_id)
 
     # -- queries -----------------------------------------------------------
 

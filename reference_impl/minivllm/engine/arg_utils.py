@@ -105,8 +105,8 @@ class EngineArgs:
     )
     scheduling_policy: str = _option(
         SchedulerConfig.scheduling_policy,
-        "queue order and batches (core/scheduler.py)",
-        choices=["fcfs", "prefill_first", "priority"],
+        "queue order: arrival, or priority then arrival (core/scheduler.py)",
+        choices=["fcfs", "priority"],
     )
     # A learner's (or any) replacement component: a class or "module.Class".
     scheduler_cls: str | type = _option(

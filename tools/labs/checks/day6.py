@@ -40,9 +40,12 @@ def reference_admit(
     max_num_batched_tokens: int,
     num_running: int = 0,
 ) -> tuple[int, str | None]:
-    """How many waiting prompts (from the head) one step admits, and which
-    limit stopped it: "blocks", "tokens", "seqs", or None (all admitted)."""
-    tokens = seqs = num_running  # each running request decodes one token first
+    """How many waiting prompts (from the head) one step of vLLM's default
+    scheduling admits, and which limit stopped it: "blocks", "tokens",
+    "seqs", or None (all admitted). The running requests keep their
+    sequence slots but spend no tokens: they do not decode in a step that
+    admits prompts."""
+    tokens, seqs = 0, num_running
     for i, n in enumerate(prompt_lens):
         need = math.ceil(n / block_size)
         if free_blocks - need < watermark_blocks:
@@ -73,9 +76,9 @@ _ADMIT_CASES = [
     ("head-of-line: a long prompt first, a short one behind it",
      [200, 10], dict(free_blocks=5, block_size=16, watermark_blocks=0, max_num_seqs=256,
                      max_num_batched_tokens=2048)),
-    ("250 running decodes use the token budget",
-     [10], dict(free_blocks=100, block_size=16, watermark_blocks=0, max_num_seqs=512,
-                max_num_batched_tokens=256, num_running=250)),
+    ("250 running requests hold 250 of 251 sequence slots, and no tokens",
+     [10, 10], dict(free_blocks=100, block_size=16, watermark_blocks=0, max_num_seqs=251,
+                    max_num_batched_tokens=256, num_running=250)),
     ("everything fits",
      [17, 33, 5], dict(free_blocks=6, block_size=16, watermark_blocks=0, max_num_seqs=8,
                        max_num_batched_tokens=64)),
@@ -87,9 +90,9 @@ _ADMIT_CASES = [
 _ADMIT_HINTS = {
     "blocks": "a prompt needs ceil(len / block_size) blocks, and admitting it must leave at "
     "least watermark_blocks free",
-    "tokens": "the running requests' decode tokens (one each) are already in the step's "
-    "token budget; a prompt is admitted whole (no chunked prefill here)",
-    "seqs": "the running requests count against max_num_seqs too",
+    "tokens": "a prompt is admitted whole (no chunked prefill here); the running requests "
+    "spend no tokens, since a step that admits prompts runs no decode",
+    "seqs": "the running requests keep their places: they count against max_num_seqs",
     None: "check the order: blocks, then tokens, then seqs; stop at the first prompt that "
     "does not fit (first come, first served: no skipping ahead)",
 }
@@ -112,15 +115,18 @@ _HINTS = {
     "scheduled": "The batch differs. Admission walks the waiting queue from its head: "
     "can_allocate (LATER: stop; NEVER: ignore it and go on), then budget.can_schedule with the "
     "whole prompt's tokens and seq_group.get_max_num_running_seqs() (stop if not), then "
-    "allocate, mark its sequences RUNNING, budget.add, and record it with self._scheduled.",
+    "self._allocate_and_set_running(seq_group), charge budget.add_num_batched_tokens and "
+    "budget.add_num_seqs under its request_id, and record it with self._scheduled.",
     "queues_after": "A request ended the step in another queue: an admitted group leaves "
-    "self.waiting (popleft) and joins self.running; a RECOMPUTE victim joins self.waiting, a "
-    "SWAP victim self.swapped.",
+    "self.waiting (popleft) and is returned; the step itself puts admitted groups in "
+    "self.running and preemption victims back in line (RECOMPUTE: the head of self.waiting; "
+    "SWAP: self.swapped), so neither method should add to a queue.",
     "ignored": "A prompt that can never fit (AllocStatus.NEVER) must leave the waiting queue "
     "through self._ignore(seq_group, out, reason); admission then goes on with the next one.",
     "preempted": "Each preemption is recorded as out.preempted.append((seq_group, mode)). "
-    "The mode: RECOMPUTE for a group still in its prefill, SWAP for a group of several running "
-    "sequences, else the configured preemption_mode (RECOMPUTE when it is None).",
+    "The mode: the configured preemption_mode; when it is None, RECOMPUTE if "
+    "seq_group.get_max_num_running_seqs() == 1, else SWAP; and SWAP whenever the group has "
+    "several running sequences.",
     "swap_out": "A SWAP victim's (gpu, cpu) block pairs come from "
     "self.block_manager.swap_out(seq_group) and go into out.blocks_to_swap_out.",
     "block_tables": "A RECOMPUTE victim gives its blocks back (self.free_seq(seq)) and forgets "
@@ -213,10 +219,10 @@ def exercise_2(scheduler_cls) -> None:
 class ReferenceStaticScheduler(Scheduler):
     """Static batching: a new batch is admitted only once the previous one is done."""
 
-    def _schedule_prefills(self, budget, out):
+    def _schedule_prefills(self, budget, out, enable_chunking=False):
         if self.running or self.swapped:
             return []
-        return super()._schedule_prefills(budget, out)
+        return super()._schedule_prefills(budget, out, enable_chunking)
 
 
 def reference_slot_usage(trace: Trace, max_num_seqs: int) -> tuple[int, int, int]:
