@@ -83,6 +83,16 @@ def test_every_shipped_scenario_validates_and_shows_its_claims(traces):
             assert where is not None, f"{scenario.name} does not show {claim}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("path", shipped_scenarios(), ids=lambda p: p.stem)
+def test_every_shipped_scenario_shows_its_claims_with_the_shipped_model(path, tmp_path):
+    """`minivllm-trace run NAME` without --dry-run: the story model's real
+    tokens (which end stories by themselves) must not hide what the scenario
+    is for; a scenario that depends on growth sets ignore_eos."""
+    args = ["run", path.stem, "-o", str(tmp_path / "run.jsonl")]
+    assert main(args) == 0, f"{path.stem} does not show its claims with the shipped model"
+
+
 def test_claims_are_not_shown_where_they_do_not_happen(traces):
     """Each claim fails on a scenario built to show something else."""
     plain = load_trace(traces["token_budget"])  # no preemption, copy, cache or chunk
@@ -342,11 +352,14 @@ def test_cli_run_show_summary_validate(tiny_model_dir, tmp_path, capsys, monkeyp
     model = tiny_model_dir("llama")
     args = ["run", "admission_blocked", "--dry-run", "--model", model, "-o", str(out)]
     args += ["-e", "num_gpu_blocks_override=20"]
-    assert main(args) == 0
-    text = capsys.readouterr().out
-    # With 20 blocks B is not blocked: both prefill in step 0, A ends in step 2.
-    assert f"wrote {out}: 3 steps, 2 requests (dry run)" in text
-    assert "admission_blocked: NOT SHOWN by this run" in text
+    # With 20 blocks B is not blocked: the run writes its trace, says what it
+    # does not show, and fails, since the scenario missed its purpose.
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    # Both prefill in step 0, A ends in step 2.
+    assert f"wrote {out}: 3 steps, 2 requests (dry run)" in captured.out
+    assert "admission_blocked: NOT SHOWN by this run" in captured.out
+    assert "claims admission_blocked, which this run does not show" in captured.err
     assert main(["validate", str(out)]) == 0
     assert main(["show", str(out), "--step", "0"]) == 0
     text = capsys.readouterr().out

@@ -91,8 +91,17 @@ def cmd_run(args: argparse.Namespace) -> None:
     trace = load_trace(args.output)
     kind = " (dry run)" if args.dry_run else ""
     print(f"wrote {args.output}: {steps} steps, {len(trace.requests)} requests{kind}")
-    for claim, where in check_claims(scenario, trace).items():
+    claims = check_claims(scenario, trace)
+    for claim, where in claims.items():
         print(f"  {claim}: {where or 'NOT SHOWN by this run'}")
+    missing = [claim for claim, where in claims.items() if where is None]
+    if missing:
+        # The trace is written and worth a look, but the run failed its purpose.
+        raise TracerError(
+            f"the scenario claims {', '.join(missing)}, which this run does not show "
+            f"(see minivllm-trace show {args.output}); a different model or engine option "
+            "can change what happens"
+        )
     print(f"next: minivllm-trace show {args.output}")
 
 
