@@ -12,7 +12,7 @@ import pytest
 
 from tools.labs.execute import execute_notebook
 from tools.labs.generate import LABS_DIR, SOLUTIONS_DIR, lab_text, make_lab, strip_solutions
-from tools.labs.progress import exercise_status
+from tools.labs.progress import exercise_status, format_table, summary_line
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted(SOLUTIONS_DIR.glob("day*.ipynb"))
@@ -160,3 +160,18 @@ def test_lesson_references_exist(lesson):
         assert file.exists(), f"{lesson.name} mentions {path}, which does not exist"
         if symbol:
             assert symbol in defined_names(file), f"{lesson.name}: {path} defines no {symbol}"
+
+
+def test_progress_table_aligns_long_statuses_and_names_failures():
+    rows = [
+        (Path("labs/day1_the_map.ipynb"), {1: "pass", 2: "FAIL (AssertionError)", 3: "todo"}),
+        (Path("labs/day13_a_longer_name.ipynb"), {1: "todo", 2: "pass"}),
+    ]
+    lines = format_table(rows).splitlines()
+    # Every column starts at the same place on every line.
+    starts = [[m.start() for m in re.finditer(r"(?<=  )\S", line)] for line in lines]
+    assert starts[0][:2] == starts[1][:2] == starts[2][:2]
+    assert lines[2].split()[-1] == "-"  # day 13 has no third exercise
+    assert summary_line(*rows[0]) == (
+        "labs/day1_the_map.ipynb: 1 passed, 1 to do, failing: exercise 2"
+    )

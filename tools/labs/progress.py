@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 from tools.labs.execute import execute_notebook
@@ -44,17 +45,43 @@ def find_notebooks(paths: list[Path]) -> list[Path]:
     return found
 
 
+def format_table(rows: list[tuple[Path, dict[int, str]]]) -> str:
+    """One row per notebook, one column per exercise, each column as wide as
+    its longest status (a failure names its error)."""
+    most = max((len(status) for _, status in rows), default=0)
+    header = ["notebook"] + [f"ex{k}" for k in range(1, most + 1)]
+    table = [header] + [
+        [str(nb)] + [status.get(k, "-") for k in range(1, most + 1)] for nb, status in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    )
+
+
+def summary_line(nb: Path, status: dict[int, str]) -> str:
+    """What a finished notebook shows while the others still run."""
+    counts = {kind: sum(s.startswith(kind) for s in status.values()) for kind in ("pass", "todo")}
+    failed = [k for k, s in status.items() if s.startswith("FAIL")]
+    text = f"{nb}: {counts['pass']} passed, {counts['todo']} to do"
+    if failed:
+        text += ", failing: " + ", ".join(f"exercise {k}" for k in failed)
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Which lab exercises pass.")
     parser.add_argument("paths", nargs="*", type=Path, default=[LABS_DIR])
     args = parser.parse_args(argv)
-    rows = [(nb, exercise_status(execute_notebook(nb))) for nb in find_notebooks(args.paths)]
-    width = max((len(str(nb)) for nb, _ in rows), default=10)
-    most = max((len(s) for _, s in rows), default=0)
-    print(f"{'notebook':<{width}}  " + "  ".join(f"ex{k:<10}" for k in range(1, most + 1)))
-    for nb, status in rows:
-        cells = "  ".join(f"{status.get(k, '-'):<12}" for k in range(1, most + 1))
-        print(f"{str(nb):<{width}}  {cells}")
+    notebooks = find_notebooks(args.paths)
+    rows = []
+    for i, nb in enumerate(notebooks, start=1):
+        # A notebook runs for tens of seconds: say which, then how it went.
+        print(f"[{i}/{len(notebooks)}] running {nb} ...", file=sys.stderr, flush=True)
+        rows.append((nb, exercise_status(execute_notebook(nb))))
+        print(f"[{i}/{len(notebooks)}] {summary_line(*rows[-1])}", file=sys.stderr, flush=True)
+    print(format_table(rows))
 
 
 if __name__ == "__main__":
