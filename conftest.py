@@ -9,6 +9,7 @@ warnings) is not compared, and cells tagged `gpu` are skipped without a GPU.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,30 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    checkers_seen: dict[str, int] = {}
     for item in items:
         cell = getattr(item, "cell", None)
         if cell is None:  # not a notebook cell
             continue
+        _name_checker_cell(item, cell, checkers_seen)
         if "stderr" not in item.parent.skip_compare:
             item.parent.skip_compare += ("stderr",)
         if "gpu" in cell.metadata.get("tags", []) and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
+
+
+def _name_checker_cell(item, cell, checkers_seen: dict[str, int]) -> None:
+    """Head a checker cell's failure "Cell 10 (Day N, exercise k)":
+    the k-th checker cell of dayN_*.ipynb checks exercise k (FORMAT.md)."""
+    if "checker" not in cell.metadata.get("tags", []):
+        return
+    path = Path(str(item.parent.path))
+    day = re.match(r"day(\d+)_", path.name)
+    if day is None:
+        return
+    k = checkers_seen[str(path)] = checkers_seen.get(str(path), 0) + 1
+    label = f"Day {int(day.group(1))}, exercise {k}"
+    where, line, description = item.reportinfo()
+    # The heading of a failure's report comes from reportinfo() (the node id,
+    # in the one-line summary, keeps nbval's "Cell N").
+    item.reportinfo = lambda: (where, line, f"{description} ({label})")

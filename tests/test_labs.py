@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -175,3 +177,16 @@ def test_progress_table_aligns_long_statuses_and_names_failures():
     assert summary_line(*rows[0]) == (
         "labs/day1_the_map.ipynb: 1 passed, 1 to do, failing: exercise 2"
     )
+
+
+@pytest.mark.slow
+def test_a_failing_checker_is_reported_by_day_and_exercise():
+    """nbval heads a failing cell "Cell N"; the root conftest adds which
+    exercise that checker is for."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+         "--nbval-lax", str(LABS_DIR / "day1_the_map.ipynb")],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 1
+    assert re.search(r"_ labs/day1_the_map\.ipynb::Cell \d+ \(Day 1, exercise 1\) _", result.stdout)
