@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import nbformat
 import pytest
 
@@ -190,3 +191,214 @@ def test_a_failing_checker_is_reported_by_day_and_exercise():
     )
     assert result.returncode == 1
     assert re.search(r"_ labs/day1_the_map\.ipynb::Cell \d+ \(Day 1, exercise 1\) _", result.stdout)
+
+
+# Day 13: every listed mistake is rejected with its teaching message ----------------
+#
+# Each mistake is injected into the solution's code and the checker must refuse it
+# with the message that names it; the solution and a differently written correct
+# answer must pass. Exercises 1 and 3 read a real server (tools/labs/server.py).
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from minivllm.engine.async_llm_engine import RequestTracker  # noqa: E402
+
+
+def _sse_solution(lines, *, keep_prefix=False, no_stop=False, decode_done=False,
+                  drop_empty=False, concat=False):
+    choices = {}
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        payload = line if keep_prefix else line[len("data: "):]
+        if payload == "[DONE]" and not decode_done:
+            if no_stop:
+                continue
+            break
+        for choice in json.loads(payload)["choices"]:
+            if drop_empty and not choice["text"]:
+                continue
+            index = 0 if concat else choice["index"]
+            deltas, reason = choices.get(index, ([], None))
+            deltas.append(choice["text"])
+            choices[index] = (deltas, choice["finish_reason"] or reason)
+    return choices
+
+
+def _sse_alternative(lines):
+    """Correct, written otherwise: stop at [DONE], group by index afterwards."""
+    events = []
+    for line in filter(None, lines):
+        data = line.removeprefix("data:").strip()
+        if data == "[DONE]":
+            break
+        events += json.loads(data)["choices"]
+    out = {}
+    for i in sorted({e["index"] for e in events}):
+        mine = [e for e in events if e["index"] == i]
+        reasons = [e["finish_reason"] for e in mine if e["finish_reason"]]
+        out[i] = ([e["text"] for e in mine], reasons[-1] if reasons else None)
+    return out
+
+
+def _tracker(*, no_finish=False, pop_before_put=False, pop_always=False, never_pop=False,
+             abort_not_queued=False, abort_leaks_stream=False, strict_lookup=False):
+    class Tracker(RequestTracker):
+        def process_request_output(self, request_output):
+            rid = request_output.request_id
+            finished = request_output.finished
+            if strict_lookup:
+                stream = self._request_streams[rid]
+                stream.put(request_output)
+                if finished:
+                    del self._request_streams[rid]
+                    stream.finish()
+                return
+            if pop_before_put and finished:
+                stream = self._request_streams.pop(rid, None)
+                if stream is not None:
+                    stream.finish()
+                return
+            if (finished and not never_pop) or pop_always:
+                stream = self._request_streams.pop(rid, None)
+            else:
+                stream = self._request_streams.get(rid)
+            if stream is not None:
+                stream.put(request_output)
+                if finished and not no_finish:
+                    stream.finish()
+
+        def abort_request(self, request_id, exception=None):
+            if not abort_not_queued:
+                self._aborted_requests.add(request_id)
+            if abort_leaks_stream:
+                return
+            stream = self._request_streams.pop(request_id, None)
+            if stream is not None:
+                stream.finish(exception or asyncio.CancelledError())
+
+    return Tracker
+
+
+class _AlternativeTracker(RequestTracker):
+    """Correct, written otherwise: look up first, pop with del."""
+
+    def process_request_output(self, request_output):
+        rid = request_output.request_id
+        if rid not in self._request_streams:
+            return
+        stream = self._request_streams[rid]
+        stream.put(request_output)
+        if request_output.finished:
+            del self._request_streams[rid]
+            stream.finish()
+
+    def abort_request(self, request_id, exception=None):
+        self._aborted_requests.add(request_id)
+        if request_id in self._request_streams:
+            self._request_streams.pop(request_id).finish(exception or asyncio.CancelledError())
+
+
+def _ttft(text, *, which="time_to_first_token", sum_only=False, bucket=False):
+    for family in text_string_to_metric_families(text):
+        if family.name == f"vllm:{which}_seconds":
+            values = {s.name: s.value for s in family.samples if s.name != family.name + "_bucket"}
+            if bucket:
+                return max(s.value for s in family.samples if s.name.endswith("_bucket"))
+            total = values[family.name + "_sum"]
+            return total if sum_only else total / values[family.name + "_count"]
+
+
+def _ttft_alternative(text):
+    """Correct, written otherwise: by hand, line by line."""
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        for part in ("sum", "count"):
+            if name.startswith(f"vllm:time_to_first_token_seconds_{part}{{"):
+                found[part] = float(value)
+    return found["sum"] / found["count"]
+
+
+@pytest.fixture(scope="module")
+def lab_server():
+    from tools.labs.server import LabServer
+
+    with LabServer() as server:
+        yield server
+    assert not server.running
+
+
+@pytest.fixture
+def day13():
+    from tools.labs.checks import day13
+
+    return day13
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake, message", [
+    ("keep_prefix", "strip it before json.loads"),
+    ("decode_done", "`data: [DONE]` is not JSON"),
+    ("no_stop", "`data: [DONE]` ends the stream"),
+    ("drop_empty", "its finish_reason is not"),
+    ("concat", "keep one list and one finish_reason per index"),
+])
+def test_day13_exercise_1_rejects(day13, lab_server, mistake, message):
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        day13.exercise_1(lambda lines: _sse_solution(lines, **{mistake: True}),
+                         lab_server.base_url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answer", [_sse_solution, _sse_alternative])
+def test_day13_exercise_1_passes(day13, lab_server, answer, capsys):
+    day13.exercise_1(answer, lab_server.base_url)
+    assert capsys.readouterr().out == "Day 13, exercise 1: passed\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake, message", [
+    ("no_finish", "call `stream.finish()` after putting a finished output"),
+    ("pop_before_put", "put the last output into the stream before finishing it"),
+    ("pop_always", "pop it only when the output is finished"),
+    ("never_pop", "must leave `_request_streams`"),
+    ("abort_not_queued", "never reached `LLMEngine.abort_request`"),
+    ("abort_leaks_stream", "`abort_request` must finish the stream"),
+    ("strict_lookup", "use `.get` or `.pop(request_id, None)` and skip the output"),
+])
+def test_day13_exercise_2_rejects(day13, monkeypatch, mistake, message):
+    monkeypatch.setattr(day13, "STALL_S", 8.0)
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        day13.exercise_2(_tracker(**{mistake: True}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answer", [_tracker(), _AlternativeTracker], ids=["solution", "other"])
+def test_day13_exercise_2_passes(day13, answer, capsys):
+    day13.exercise_2(answer)
+    assert capsys.readouterr().out == "Day 13, exercise 2: passed\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sum_only": True}, "That is the _sum alone"),
+    ({"which": "e2e_request_latency"}, "end-to-end latency's mean"),
+    ({"which": "time_per_output_token"}, "time per output token's mean"),
+    ({"bucket": True}, "are cumulative counts, not times"),
+])
+def test_day13_exercise_3_rejects(day13, lab_server, kwargs, message):
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        day13.exercise_3(lambda text: _ttft(text, **kwargs), lab_server.base_url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answer", [_ttft, _ttft_alternative])
+def test_day13_exercise_3_passes(day13, lab_server, answer, capsys):
+    httpx.post(lab_server.url("v1/completions"), timeout=120,
+               json={"model": "minivllm-stories", "prompt": "Hi", "max_tokens": 3})
+    day13.exercise_3(answer, lab_server.base_url)
+    assert capsys.readouterr().out == "Day 13, exercise 3: passed\n"
