@@ -579,3 +579,47 @@ def test_serving_benchmark_client_counts_what_it_got(server):
     assert row["completed"] == 2 and row["failed"] == 0
     assert row["goodput_req_per_s"] == row["req_per_s"]
     assert row["output_tok_per_s"] == pytest.approx(15 / duration)
+
+
+def _texts_as_vllm_benchmark_reads_them(body: str, chat: bool) -> str:
+    """What vLLM's benchmarks/backend_request_func.py keeps from a stream:
+    each non-empty line minus "data: ", [DONE] ends it, a chunk counts
+    when its first choice carries text (completions) or delta content (chat)."""
+    text = ""
+    for line in body.splitlines():
+        chunk = line.strip().removeprefix("data: ")
+        if not chunk or chunk == "[DONE]":
+            continue
+        choice = json.loads(chunk)["choices"][0]
+        text += (choice["delta"].get("content") or "") if chat else choice["text"]
+    return text
+
+
+def test_vllm_serving_benchmark_requests_are_served(server, llm):
+    """The exact payloads vLLM's serving benchmark sends (its "vllm"/"openai"
+    and "openai-chat" backends): best_of=1, logprobs=null, temperature 0, an
+    `Authorization: Bearer None` header when OPENAI_API_KEY is unset, and chat
+    content as a list of typed parts. Each is answered with the greedy text."""
+    headers = {"Authorization": "Bearer None"}
+    prompt = PROMPTS[0]
+    completion = {
+        "model": MODEL, "prompt": prompt, "temperature": 0.0, "best_of": 1,
+        "max_tokens": 12, "logprobs": None, "stream": True,
+    }
+    r = httpx.post(f"{server.base_url}/v1/completions", json=completion, headers=headers)
+    assert r.status_code == 200, r.text
+    expected = offline(llm, prompt, max_tokens=12, temperature=0).outputs[0].text
+    assert _texts_as_vllm_benchmark_reads_them(r.text, chat=False) == expected
+
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+        "temperature": 0.0, "max_tokens": 12, "stream": True,
+    }
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, headers=headers)
+    assert r.status_code == 200, r.text
+    plain = dict(chat, messages=[{"role": "user", "content": prompt}], stream=False)
+    same = httpx.post(f"{server.base_url}/v1/chat/completions", json=plain, headers=headers)
+    assert _texts_as_vllm_benchmark_reads_them(r.text, chat=True) == (
+        same.json()["choices"][0]["message"]["content"]
+    )
