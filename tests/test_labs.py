@@ -377,6 +377,14 @@ def test_day13_exercise_2_rejects(day13, monkeypatch, mistake, message):
 
 
 @pytest.mark.slow
+def test_day13_exercise_2_behind_the_server_sees_a_hang_up_that_is_never_aborted(day13):
+    """The checker's last stage, the tracker behind the real server, on its
+    own: a client that hangs up must become an engine abort."""
+    with pytest.raises(AssertionError, match=re.escape("a client hung up mid-stream")):
+        day13._check_through_the_server(_tracker(abort_not_queued=True))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("answer", [_tracker(), _AlternativeTracker], ids=["solution", "other"])
 def test_day13_exercise_2_passes(day13, answer, capsys):
     day13.exercise_2(answer)

@@ -9,20 +9,26 @@ came back, and where to look.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import json
 
 import httpx
+import uvicorn
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.arg_utils import AsyncEngineArgs
 from minivllm.engine.async_llm_engine import AsyncLLMEngine, RequestTracker
+from minivllm.entrypoints.openai.api_server import init_app
+from minivllm.entrypoints.openai.cli_args import make_arg_parser
 from tools.labs.checks._common import needs, passed  # noqa: F401 - needs: for the notebook
 from tools.labs.checks._engine_runs import learner_code, quiet_engine
+from tools.labs.server import free_port
 
 DAY = 13
 MODEL = "minivllm-stories"
@@ -197,6 +203,92 @@ async def _run_workload(tracker_cls):
     return results, stuck, errors, log, state
 
 
+@functools.lru_cache(maxsize=1)
+def _offline_texts() -> tuple[str, ...]:
+    with quiet_engine():
+        outs = LLM().generate([p for p, _ in _NORMAL[:3]],
+                              [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                               for _, n in _NORMAL[:3]], use_tqdm=False)
+    return tuple(o.outputs[0].text for o in outs)
+
+
+async def _stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int,
+                       leave_after: int | None = None) -> str:
+    """One streamed /v1/completions; with `leave_after`, hang up after that
+    many events, as a client that goes away does."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text, events = "", 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text += json.loads(line[len("data: "):])["choices"][0]["text"]
+            events += 1
+            if leave_after and events == leave_after:
+                break  # leaving the block closes the connection
+    return text
+
+
+async def _serve_with(tracker_cls) -> tuple[list[str] | None, dict]:
+    """The real server (FastAPI app, uvicorn) in this process, its engine
+    using the learner's tracker; three clients read to the end, one hangs up."""
+    engine = _EngineWith.from_engine_args(AsyncEngineArgs(disable_log_stats=True,
+                                                          disable_log_requests=True))
+    engine.tracker_cls = tracker_cls
+    aborted: list[str] = []  # what reaches LLMEngine.abort_request
+    abort_request = engine.engine.abort_request
+
+    def record_abort(request_id):
+        aborted.extend([request_id] if isinstance(request_id, str) else request_id)
+        abort_request(request_id)
+
+    engine.engine.abort_request = record_abort
+    app = init_app(engine, make_arg_parser(argparse.ArgumentParser()).parse_args([]))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.02)
+    texts = None
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=STALL_S) as client:
+        with contextlib.suppress(httpx.TimeoutException):
+            texts = await asyncio.gather(
+                *(_stream_text(client, p, n) for p, n in _NORMAL[:3]),
+                _stream_text(client, "A big bear", _LONG, leave_after=2),
+            )
+    for _ in range(int(STALL_S / 0.05)):  # an unaborted hang-up runs its 200 tokens
+        if not engine.engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.05)
+    state = dict(aborted=len(aborted),
+                 free=engine.engine.scheduler.block_manager.get_num_free_gpu_blocks(),
+                 total=engine.engine.cache_config.num_gpu_blocks)
+    server.should_exit = True
+    await serving
+    engine.shutdown_background_loop()
+    return texts, state
+
+
+def _check_through_the_server(tracker_cls) -> None:
+    with quiet_engine(), learner_code("The server with your tracker", _WHERE2):
+        texts, state = run_async(_serve_with(tracker_cls))
+    if texts is None:
+        raise _fail2(f"behind the real server, a streamed request got no news for {STALL_S:.0f} s "
+                     "with your tracker.")
+    if tuple(texts[:3]) != _offline_texts():
+        raise _fail2("behind the real server, the streamed texts differ from LLM.generate's: "
+                     f"got {texts[:3]!r}, expected {list(_offline_texts())!r}.")
+    if not state["aborted"]:
+        raise _fail2("behind the real server, a client hung up mid-stream and its request ran "
+                     "on to its end: the server closes the stream's generator, which calls your "
+                     "`abort_request`; it must add the id to `self._aborted_requests` so that "
+                     "the loop hands it to `LLMEngine.abort_request`.")
+    if state["free"] != state["total"]:
+        raise _fail2("behind the real server, every request is over but "
+                     f"{state['total'] - state['free']} KV blocks are still in use.")
+
+
 def _fail2(message: str) -> AssertionError:
     return AssertionError(f"Day {DAY}, exercise 2: {message}{_WHERE2}")
 
@@ -227,7 +319,9 @@ def _check_output_after_abort(tracker_cls, output) -> None:
 def exercise_2(tracker_cls) -> None:
     """Eight concurrent requests through the real AsyncLLMEngine with the
     learner's tracker: six run to the end (compared with LLM.generate), one
-    client disconnects after 2 outputs, one is aborted by `engine.abort`."""
+    client disconnects after 2 outputs, one is aborted by `engine.abort`.
+    Then the same tracker behind the real server (uvicorn, in this process):
+    three streams compared with LLM.generate, and a client that hangs up."""
     if not (isinstance(tracker_cls, type) and issubclass(tracker_cls, RequestTracker)):
         raise AssertionError(f"Day {DAY}, exercise 2: pass your RequestTracker subclass (the "
                              f"class), got {tracker_cls!r}.")
@@ -281,6 +375,7 @@ def exercise_2(tracker_cls) -> None:
                      "`self._aborted_requests`, which the loop hands to the engine before the "
                      "next step.")
     _check_output_after_abort(tracker_cls, log["req-0"][0])
+    _check_through_the_server(tracker_cls)
     if state["streams"]:
         raise _fail2(f"when all is over the tracker still holds the streams of {state['streams']}: "
                      "a finished or aborted request's stream must leave `_request_streams` (pop "
