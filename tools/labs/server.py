@@ -2,8 +2,8 @@
 127.0.0.1 and a free port, in its own process group, always stopped (the
 notebook's last cell, or `with LabServer() as server:`).
 
-The tests have their own (tests/server_utils.py); notebooks do not import
-from tests/.
+The tests' `RemoteOpenAIServer` (tests/server_utils.py) extends it;
+notebooks do not import from tests/.
 """
 
 from __future__ import annotations
@@ -26,18 +26,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+API_SERVER = "minivllm.entrypoints.openai.api_server"
+
+
 class LabServer:
     """`python -m minivllm.entrypoints.openai.api_server ARGS` on 127.0.0.1,
-    waited for (GET /health). `stop()` ends the whole process group."""
+    waited for (GET /health). `stop()` ends the whole process group.
 
-    def __init__(self, args: list[str] = (), startup_timeout: float = 180.0) -> None:
+    `command` replaces `python -m <api_server>` (the tests start `minivllm
+    serve` this way); `env` replaces this process's environment.
+    """
+
+    def __init__(
+        self,
+        args: list[str] = (),
+        startup_timeout: float = 180.0,
+        *,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-lab-server-", suffix=".log")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-server-", suffix=".log")
+        env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1",
+               "MKL_NUM_THREADS": "1"}
         env.pop("MINIVLLM_TRACE", None)
         env.pop("MINIVLLM_API_KEY", None)
-        cmd = [sys.executable, "-m", "minivllm.entrypoints.openai.api_server", *args,
+        cmd = [*(command or [sys.executable, "-m", API_SERVER]), *args,
                "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -74,15 +89,19 @@ class LabServer:
     def running(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM the group, SIGKILL it if it hangs; returns the exit status."""
+    def send_signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the process group (SIGTERM), SIGKILL it if it hangs;
+        returns the exit status (negative: killed by that signal)."""
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.send_signal(sig)
                 self.proc.wait(timeout)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
-        try:
+        try:  # whatever is left of the group (nothing, normally)
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
