@@ -94,7 +94,8 @@ class OpenAIServingChat(OpenAIServing):
             )
             for completion in final.outputs
         ]
-        usage = _usage(final.prompt_token_ids, sum(len(c.token_ids) for c in final.outputs))
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        usage = UsageInfo.of(len(final.prompt_token_ids), num_generated)
         response = ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
         )
@@ -142,7 +143,8 @@ class OpenAIServingChat(OpenAIServing):
                     )
                     yield chunk(choice)
             if request.include_usage:
-                usage = _usage(first.prompt_token_ids, sum(s.num_tokens for s in progress))
+                num_generated = sum(s.num_tokens for s in progress)
+                usage = UsageInfo.of(len(first.prompt_token_ids), num_generated)
                 yield sse(
                     ChatCompletionStreamResponse(
                         id=request_id,
@@ -186,9 +188,3 @@ def _chat_logprob(token: str, logprob: float) -> ChatCompletionLogProb:
     return ChatCompletionLogProb(token=token, logprob=logprob, bytes=list(token.encode()))
 
 
-def _usage(prompt_token_ids: list[int], num_generated: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=len(prompt_token_ids),
-        completion_tokens=num_generated,
-        total_tokens=len(prompt_token_ids) + num_generated,
-    )

@@ -107,11 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 num_generated += len(completion.token_ids)
         num_prompt = sum(len(ids) for _, ids in prompts)
-        usage = UsageInfo(
-            prompt_tokens=num_prompt,
-            completion_tokens=num_generated,
-            total_tokens=num_prompt + num_generated,
-        )
+        usage = UsageInfo.of(num_prompt, num_generated)
         response = CompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
         )
@@ -158,11 +154,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
                 num_generated = sum(state.num_tokens for state in progress.values())
-                usage = UsageInfo(
-                    prompt_tokens=num_prompt,
-                    completion_tokens=num_generated,
-                    total_tokens=num_prompt + num_generated,
-                )
+                usage = UsageInfo.of(num_prompt, num_generated)
                 chunk = CompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[], usage=usage
                 )
