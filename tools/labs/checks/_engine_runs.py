@@ -9,11 +9,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sysconfig
 import tempfile
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.tracer import load_trace
 from minivllm.tracer.trace import Trace
@@ -93,11 +96,51 @@ def quiet_engine():
         logger.setLevel(level)
 
 
-def learner_code(what: str, hint: str = ""):
+# Where the engine's code lives (reference_impl/), and the other code that is
+# not the learner's: the checkers, the standard library, installed packages.
+_ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(minivllm.__file__)))
+_LIBRARY_DIRS = tuple(
+    os.path.realpath(d) + os.sep
+    for d in (
+        _ENGINE_DIR,
+        os.path.dirname(os.path.dirname(os.path.realpath(__file__))),  # tools/labs
+        *sysconfig.get_paths().values(),
+    )
+)
+
+
+def _is_library(filename: str) -> bool:
+    """A frame of the engine, the checkers, or an installed library: not
+    code the learner wrote (a notebook cell, or a test standing in for one)."""
+    return filename.startswith("<frozen") or os.path.realpath(filename).startswith(_LIBRARY_DIRS)
+
+
+def where_it_failed(error: BaseException) -> str:
+    """Where an exception was raised, said for a learner: the last line of
+    their own code on its way, or, when none is, the engine's line that
+    tripped over what their code left behind."""
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [f for f in frames if not _is_library(f.filename)]
+    if mine:
+        line = (mine[-1].line or "").strip()
+        return f"in your `{mine[-1].name}`" + (f", at the line `{line}`" if line else "")
+    if not frames:
+        return "before any code ran"
+    last = frames[-1]
+    return (
+        f"not in your code but in the engine's `{last.name}` "
+        f"({os.path.relpath(os.path.realpath(last.filename), _ENGINE_DIR)}, line {last.lineno}), "
+        "which tripped over something your code returned or left behind"
+    )
+
+
+def learner_code(what: str, hint: str | Callable[[BaseException], str] = ""):
     """Turn an unexpected exception from the learner's component into an
-    AssertionError that says where it came from (and a hint); an
-    AssertionError, or NotImplementedError (an unfinished exercise), passes
-    through unchanged."""
+    AssertionError that names the component, says where it was raised (the
+    learner's line, or the engine's line that tripped), and gives a hint:
+    `hint` is a string, or a function of the exception that names the likely
+    mistake. AssertionError, and NotImplementedError (an unfinished
+    exercise), pass through unchanged."""
 
     @contextlib.contextmanager
     def guard():
@@ -106,10 +149,11 @@ def learner_code(what: str, hint: str = ""):
         except (NotImplementedError, AssertionError):
             raise
         except Exception as error:  # noqa: BLE001 - reported to the learner
-            raise AssertionError(
-                f"{what} raised {type(error).__name__}: {error}. Read the traceback above "
-                f"this message: its last lines inside your code show where.{hint}"
-            ) from error
+            message = f"{what} raised {type(error).__name__}: {error}, {where_it_failed(error)}."
+            advice = hint(error) if callable(hint) else hint
+            if advice:
+                message += f"\nHint: {advice}"
+            raise AssertionError(message) from error
 
     return guard()
 
@@ -252,7 +296,7 @@ def check_in_engine(
     dry_run: bool,
     *,
     hints: Mapping[str, str],
-    error_hint: str = "",
+    error_hint: str | Callable[[BaseException], str] = "",
     agreed: str = "every step agreed",
     refine_hint: Callable[[str, Any, Any], str | None] | None = None,
     **engine: Any,

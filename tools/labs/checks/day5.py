@@ -187,7 +187,7 @@ _HINTS = {
 
 
 _ENGINE_HINT = (
-    "\nHint: 'Out of memory' from the allocator means a block was taken that the scheduler did "
+    "'Out of memory' from the allocator means a block was taken that the scheduler did "
     "not plan for (append_slots allocates only when len(table) < seq.n_blocks, or to copy a "
     "shared last block). 'Double free' means a block lost more references than it had: does "
     "every sequence that maps a block hold one reference (allocate, fork)?"
