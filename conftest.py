@@ -52,6 +52,24 @@ def _name_checker_cell(item, cell, checkers_seen: dict[str, int]) -> None:
     k = checkers_seen[str(path)] = checkers_seen.get(str(path), 0) + 1
     label = f"Day {int(day.group(1))}, exercise {k}"
     where, line, description = item.reportinfo()
-    # The heading of a failure's report comes from reportinfo() (the node id,
-    # in the one-line summary, keeps nbval's "Cell N").
+    # The heading of a failure's report comes from reportinfo(); the node id
+    # keeps nbval's "Cell N", so the run's end lists the exercises by name too.
     item.reportinfo = lambda: (where, line, f"{description} ({label})")
+    _EXERCISE_OF[item.nodeid] = f"{label} ({path.name})"
+
+
+# node id of a checker cell -> "Day N, exercise k (dayN_x.ipynb)"; and those that failed.
+_EXERCISE_OF: dict[str, str] = {}
+_FAILED_EXERCISES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and report.nodeid in _EXERCISE_OF:
+        _FAILED_EXERCISES.append(_EXERCISE_OF[report.nodeid])
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FAILED_EXERCISES:
+        terminalreporter.section("exercises whose checker failed")
+        for exercise in _FAILED_EXERCISES:
+            terminalreporter.line(exercise)

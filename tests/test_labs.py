@@ -191,6 +191,47 @@ def test_a_failing_checker_is_reported_by_day_and_exercise():
     )
     assert result.returncode == 1
     assert re.search(r"_ labs/day1_the_map\.ipynb::Cell \d+ \(Day 1, exercise 1\) _", result.stdout)
+    summary = result.stdout.split("exercises whose checker failed")[1]
+    assert summary.splitlines()[1] == "Day 1, exercise 1 (day1_the_map.ipynb)"
+
+
+# Crashes in the learner's component become hints ------------------------------------
+
+
+def test_a_crash_in_the_learners_code_names_their_line():
+    from tools.labs.checks._engine_runs import learner_code
+
+    def allocate_twice(table):
+        return table["missing"]
+
+    with pytest.raises(AssertionError) as caught:
+        with learner_code("MyBlockManager", lambda e: f"likely: {type(e).__name__}"):
+            allocate_twice({})
+    assert str(caught.value) == (
+        "MyBlockManager raised KeyError: 'missing', in your `allocate_twice`, "
+        "at the line `return table[\"missing\"]`.\nHint: likely: KeyError"
+    )
+
+
+def test_a_crash_in_the_engine_says_it_is_not_in_the_learners_code():
+    """The engine tripping over what the learner's code left behind is
+    reported at the engine's line, without claiming a line of theirs."""
+    from minivllm.core.block_allocator import BlockAllocator, Device
+    from tools.labs.checks._engine_runs import where_it_failed
+
+    allocator = BlockAllocator(Device.GPU, block_size=16, num_blocks=2)
+    block = allocator.allocate()
+    allocator.free(block)
+    with pytest.raises(ValueError, match="Double free") as caught:
+        allocator.free(block)
+    # In a checker the frame that calls the engine is the checker's own, not
+    # the learner's: drop this test's frame to see the traceback a checker sees.
+    error = caught.value.with_traceback(caught.value.__traceback__.tb_next)
+    assert re.fullmatch(
+        r"not in your code but in the engine's `free` \(minivllm/core/block_allocator\.py, "
+        r"line \d+\), which tripped over something your code returned or left behind",
+        where_it_failed(error),
+    )
 
 
 # Day 13: every listed mistake is rejected with its teaching message ----------------
