@@ -55,7 +55,8 @@ def test_exercise_1_turns_an_index_error_into_a_hint():
     def crashes(table, context_len, seq_len, block_size):
         return [table[p] * block_size + p % block_size for p in range(context_len, seq_len)]
 
-    with pytest.raises(AssertionError, match=r"raised IndexError(.|\n)*at the line `return \[table\[p\](.|\n)*one entry per \*block\*"):
+    message = r"raised IndexError(.|\n)*at the line `return \[table\[p\](.|\n)*one entry per \*block\*"
+    with pytest.raises(AssertionError, match=message):
         day4.exercise_1(lambda t, c, s, b: crashes(t, c, s + 8, b))
 
 
@@ -119,9 +120,8 @@ def _decode(query, kv_cache, block_tables, seq_lens, scale, *, no_scale=False, m
     group = num_heads // kv_cache.shape[3]
     out = torch.empty_like(query)
     if nan_values:  # batched: scores masked, padded values multiplied in
-        keys, values = kv_cache[0][block_tables].flatten(1, 2), kv_cache[1][block_tables].flatten(1, 2)
-        keys = keys.repeat_interleave(group, dim=2)
-        values = values.repeat_interleave(group, dim=2)
+        keys = kv_cache[0][block_tables].flatten(1, 2).repeat_interleave(group, dim=2)
+        values = kv_cache[1][block_tables].flatten(1, 2).repeat_interleave(group, dim=2)
         scores = torch.einsum("bhd,bshd->bhs", query, keys) * scale
         beyond = torch.arange(keys.shape[1])[None, :] >= seq_lens[:, None]
         scores = scores.masked_fill(beyond[:, None, :], float("-inf"))
@@ -144,8 +144,9 @@ def _decode_other(query, kv_cache, block_tables, seq_lens, scale):
     rows = []
     for i in range(num_seqs):
         k, v = _gather_other(kv_cache, block_tables[i], int(seq_lens[i]))
-        k = k[:, :, None].expand(-1, -1, num_heads // kv_heads, -1).reshape(k.shape[0], num_heads, -1)
-        v = v[:, :, None].expand(-1, -1, num_heads // kv_heads, -1).reshape(v.shape[0], num_heads, -1)
+        group = num_heads // kv_heads
+        k = k[:, :, None].expand(-1, -1, group, -1).reshape(k.shape[0], num_heads, -1)
+        v = v[:, :, None].expand(-1, -1, group, -1).reshape(v.shape[0], num_heads, -1)
         rows.append(torch.nn.functional.scaled_dot_product_attention(
             query[i][:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale)[:, 0])
     return torch.stack(rows)
@@ -254,7 +255,8 @@ def _flatten(seq_group_metadata_list, block_size, *, from_zero=False, decode_len
             else:
                 start = data.get_len() - (0 if decode_len else 1)
                 end = start + 1
-                input_ids.append(data.prompt_token_ids[-1] if first_token else data.get_last_token_id())
+                last = data.prompt_token_ids[-1] if first_token else data.get_last_token_id()
+                input_ids.append(last)
             positions += range(start, end)
             slots += _slots(table, start, end, block_size, by_position=by_position)
     return input_ids, positions, slots
