@@ -55,7 +55,7 @@ def test_exercise_1_turns_an_index_error_into_a_hint():
     def crashes(table, context_len, seq_len, block_size):
         return [table[p] * block_size + p % block_size for p in range(context_len, seq_len)]
 
-    message = r"raised IndexError(.|\n)*at the line `return \[table\[p\](.|\n)*one entry per \*block\*"
+    message = r"raised IndexError(.|\n)*the line `return \[table\[p\](.|\n)*one entry per \*block"
     with pytest.raises(AssertionError, match=message):
         day4.exercise_1(lambda t, c, s, b: crashes(t, c, s + 8, b))
 
