@@ -299,3 +299,15 @@ def test_exercise_5_passes(answer, capsys):
 def test_exercise_5_runs_a_chunk_that_does_not_start_at_0_beside_decodes():
     step = day4.mixed_step()
     assert step.batch.context_lens[0] > 0 and len(step.batch.seq_ids) > step.batch.num_prefills
+
+
+# Part 6: the kernel's parameters against the decode path's launch -------------------
+
+
+def test_every_kernel_parameter_gets_one_launch_argument_of_its_kind():
+    launch = day4.decode_launch()
+    params = day4.kernel_parameters("paged_attention_v1_kernel")
+    assert len(params) == len(launch.args)
+    for (decl, _), arg in zip(params, launch.args, strict=True):
+        assert ("*" in decl) == isinstance(arg, torch.Tensor), decl
+    assert launch.grid == (4, 3)

@@ -21,15 +21,17 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from minivllm import _custom_ops as ops
 from minivllm.assets import DEFAULT_MODEL
+from minivllm.attention.backends.cuda_paged import CudaPagedAttention
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
 from minivllm.worker.model_runner import FlatBatch
 from tools.labs.checks._common import needs, passed
 from tools.labs.checks._engine_runs import learner_code, quiet_engine, token_prompts
 
-__all__ = ["exercise_1", "exercise_2", "exercise_3", "exercise_4", "exercise_5", "needs",
-           "mixed_step"]
+__all__ = ["decode_launch", "describe_argument", "exercise_1", "exercise_2", "exercise_3",
+           "exercise_4", "exercise_5", "kernel_parameters", "mixed_step", "needs"]
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -405,6 +407,63 @@ def exercise_4(backend_cls) -> None:
                 "(the layer's 1 / sqrt(head_size)), and all seq_lens[i] keys of sequence i."
             )
     passed(DAY, 4)
+
+
+# Part 6: what the decode path hands the CUDA kernel --------------------------
+
+
+def kernel_parameters(kernel: str = "paged_attention_v1_kernel") -> list[tuple[str, str]]:
+    """(C++ declaration, its shape comment) of each parameter of `kernel`,
+    read from reference_impl/csrc/paged_attention.cu."""
+    source = (ops.CSRC_DIR / "paged_attention.cu").read_text()
+    start = source.index("(", source.index(f" {kernel}(")) + 1
+    params = []
+    for line in source[start : source.index(") {", start)].splitlines():
+        code, _, comment = line.partition("//")
+        for decl in filter(None, (d.strip() for d in code.split(","))):
+            params.append((decl.replace("__restrict__ ", ""), comment.strip()))
+    return params
+
+
+@dataclass
+class Launch:
+    """One kernel launch as `_custom_ops` makes it: template, grid, arguments."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    args: tuple
+    shared_mem: int
+
+
+def decode_launch(num_seqs: int = 3, seq_lens: tuple[int, ...] = (40, 7, 19),
+                  num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 64,
+                  block_size: int = 16) -> Launch:
+    """Run the CUDA backend's `forward_decode` on CPU tensors with the
+    kernel launch replaced by a recorder: the launch the decode path builds,
+    without a GPU (nothing is computed)."""
+    max_blocks = -(-max(seq_lens) // block_size)
+    query = torch.zeros(num_seqs, num_heads, head_size)
+    kv_cache = torch.zeros(2, num_seqs * max_blocks + 1, block_size, num_kv_heads, head_size)
+    tables = torch.arange(1, num_seqs * max_blocks + 1).view(num_seqs, max_blocks)
+    launches: list[Launch] = []
+    saved = ops._kernel, ops._launch
+    ops._kernel = lambda source, names, name: name
+    ops._launch = lambda kernel, grid, args, shared_mem=0: launches.append(
+        Launch(kernel, grid, args, shared_mem))
+    try:
+        CudaPagedAttention(num_heads, head_size, head_size**-0.5, num_kv_heads).forward_decode(
+            query, kv_cache, tables, torch.tensor(seq_lens), max(seq_lens))
+    finally:
+        ops._kernel, ops._launch = saved
+    return launches[0]
+
+
+def describe_argument(value) -> str:
+    """A launch argument as the kernel sees it: a tensor's shape and dtype
+    (the kernel gets its address), or a scalar's C type and value."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return f"{type(value).__name__} {value.item():.4g}"
 
 
 # Exercise 5 ------------------------------------------------------------------
