@@ -418,12 +418,11 @@ def _transitions_from_trace(trace: Trace) -> list[tuple]:
 def _transition_mistake(missing: list[tuple], extra: list[tuple]) -> str:
     """The common mistake behind missing or unexpected transitions, or ''."""
     if missing and len(extra) == len(missing):
-        shifts = {e[0] - m[0] for m, e in zip(missing, extra, strict=True) if m[1:] == e[1:]}
-        if len(shifts) == 1 and all(m[1:] == e[1:] for m, e in zip(missing, extra, strict=True)):
-            shift = shifts.pop()
+        pairs = list(zip(missing, extra, strict=True))
+        if all(m[1:] == e[1:] for m, e in pairs) and {e[0] - m[0] for m, e in pairs} == {1}:
             return (
-                f"your step numbers are off by {shift:+d}: steps count from 0, one per on_step "
-                "call (count after recording the step's transitions)."
+                "your step numbers are off by +1: steps count from 0, one per on_step call "
+                "(count after recording the step's transitions)."
             )
         return (
             "your step counter drifts from the engine's: add exactly 1 per on_step call, empty "
@@ -436,7 +435,8 @@ def _transition_mistake(missing: list[tuple], extra: list[tuple]) -> str:
                 "the FINISHED_* transitions are missing: look at a group's sequences in the "
                 "step that finished it, before you stop watching it."
             )
-        if new <= {"WAITING", "SWAPPED", "FINISHED_IGNORED"}:
+        queued = {"WAITING", "SWAPPED", "FINISHED_IGNORED"}
+        if all(queued & {m[2], m[3]} for m in missing):
             return (
                 "you watched only the scheduled groups: preempted (back to WAITING or SWAPPED) "
                 "and ignored requests are not in the batch. Keep the groups from on_add_request."
