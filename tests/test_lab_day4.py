@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from minivllm.attention.backends.abstract import AttentionImpl
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from tools.labs.checks import day4
 
@@ -214,7 +215,7 @@ def test_exercise_4_rejects(mistake, message):
         day4.exercise_4(_backend(**{mistake: True}))
 
 
-def test_exercise_4_rejects_an_instance_and_a_class_without_forward_decode():
+def test_exercise_4_rejects_an_instance_and_classes_missing_a_half():
     with pytest.raises(AssertionError, match=re.escape("pass the class itself")):
         day4.exercise_4(_backend()(6, 8, 1.0, 2))
 
@@ -224,6 +225,12 @@ def test_exercise_4_rejects_an_instance_and_a_class_without_forward_decode():
 
     with pytest.raises(AssertionError, match="does not override forward_decode"):
         day4.exercise_4(OnlyForward)
+
+    class OnlyDecode(AttentionImpl):
+        forward_decode = _backend().forward_decode
+
+    with pytest.raises(AssertionError, match=re.escape("subclass TorchPagedAttention (not")):
+        day4.exercise_4(OnlyDecode)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from minivllm import LLM, EngineArgs, LLMEngine, SamplingParams
 from minivllm import _custom_ops as ops
 from minivllm.assets import DEFAULT_MODEL
+from minivllm.attention.backends.abstract import AttentionImpl
 from minivllm.attention.backends.cuda_paged import CudaPagedAttention
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
@@ -371,6 +372,12 @@ def exercise_4(backend_cls) -> None:
             f"{backend_cls.__name__} does not override forward_decode: the engine would run the "
             "reference's decode, not yours. Define forward_decode(self, query, kv_cache, "
             "block_tables, seq_lens, max_seq_len) and call your paged decode there."
+        )
+    if getattr(backend_cls, "forward_prefill", None) is AttentionImpl.forward_prefill:
+        raise AssertionError(
+            f"{backend_cls.__name__} has no forward_prefill: subclass TorchPagedAttention (not "
+            "AttentionImpl), so that prefills keep the reference path and only your "
+            "forward_decode replaces its decode."
         )
     name = backend_cls.__name__
     calls = {"decode": 0}
