@@ -4,7 +4,10 @@ Each `exercise_k` runs the learner's code on fixed workloads (the shipped
 scenarios in their dry run, and the shipped model) and compares it with
 what the trace recorded. It prints one line when everything agrees, or
 raises AssertionError saying what was expected, what came back, and where
-to look. A NotImplementedError from an unfinished exercise propagates.
+to look; when a wrong answer matches a common mistake (lessons/INSTRUCTOR.md,
+Day 3), the message names it. An exception from the learner's code becomes
+an AssertionError saying where it was raised and which fields exist. A
+NotImplementedError from an unfinished exercise propagates.
 """
 
 from __future__ import annotations

@@ -148,7 +148,9 @@ def exercise_1(slot_mapping) -> None:
         with learner_code(f"your slot_mapping, on {what},", _index_hint):
             result = slot_mapping(table, start, end, block_size)
         assert result is not None, "your slot_mapping returned None: return the list of slots."
-        got = [int(s) for s in result]
+        with learner_code("the value your slot_mapping returned",
+                          "return a flat list of ints, one slot per new position."):
+            got = [int(s) for s in result]
         if got != expected:
             closer = _slot_mistake(table, start, end, block_size, got)
             raise AssertionError(
