@@ -255,7 +255,7 @@ def test_exercise_4_passes(answer, capsys):
 
 
 def _recorder(*, scheduled_only=False, count_from_one=False, per_group=False,
-              drop_finished_first=False):
+              busy_steps_only=False, drop_finished_first=False):
     class TransitionRecorder:
         def __init__(self):
             self.transitions = []
@@ -285,7 +285,7 @@ def _recorder(*, scheduled_only=False, count_from_one=False, per_group=False,
                 if per_group:
                     self.num_steps += 1
             self.groups = [g for g in self.groups if not g.is_finished()]
-            if not per_group:
+            if not per_group and (record.batch.input_ids or not busy_steps_only):
                 self.num_steps += 1
 
     return TransitionRecorder
@@ -318,6 +318,7 @@ class _RecorderOther:
     ("scheduled_only", "you watched only the scheduled groups"),
     ("count_from_one", "your step numbers are off by +1"),
     ("per_group", "your step counter drifts"),
+    ("busy_steps_only", "empty steps included"),
     ("drop_finished_first", "the FINISHED_* transitions are missing"),
 ])
 def test_exercise_5_rejects(mistake, message):

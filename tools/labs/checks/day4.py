@@ -662,7 +662,8 @@ def _flatten_hint(error: BaseException) -> str:
 
 def exercise_5(flatten_batch) -> None:
     for recorded in mixed_run():
-        metas, batch, block_size = recorded.seq_group_metadata_list, recorded.batch, 4
+        metas, batch = recorded.seq_group_metadata_list, recorded.batch
+        block_size = _MIXED_ENGINE["block_size"]
         with learner_code(f"your flatten_batch, on step {recorded.step},", _flatten_hint):
             result = flatten_batch(metas, block_size)
         assert result is not None, (
