@@ -362,3 +362,32 @@ def test_exercise_4_rejects(mistake, message):
 def test_exercise_4_passes(answer, capsys):
     day6.exercise_4(answer)
     assert capsys.readouterr().out == "Day 6, exercise 4: passed\n"
+
+
+# -- exercise 5: one step, two policies -----------------------------------------------------
+
+DEFAULT_STEP = {"R": 0, "P": 40, "Q": 0}
+CHUNKED_STEP = {"R": 1, "P": 40, "Q": 23}
+
+
+@pytest.mark.parametrize("default, chunked, message", [
+    ({"R": 1, "P": 40, "Q": 0}, CHUNKED_STEP, "what the course's MixedBatchScheduler does"),
+    ({"R": 0, "P": 40, "Q": 24}, CHUNKED_STEP, "admitted whole or not at all"),
+    ({"R": 0, "P": 40, "Q": 36}, CHUNKED_STEP, "40 + 36 = 76 > 64"),
+    (DEFAULT_STEP, {"R": 0, "P": 40, "Q": 24}, "the running requests go first"),
+    (DEFAULT_STEP, {"R": 1, "P": 40, "Q": 24}, "64 - 1 - 40 = 23"),
+    (DEFAULT_STEP, {"R": 1, "P": 40, "Q": 0}, "Q gets what is left of the budget as a chunk"),
+    (DEFAULT_STEP, {"R": 1, "P": 40}, "should map each of ['P', 'Q', 'R']"),
+])
+def test_exercise_5_rejects(default, chunked, message):
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        day6.exercise_5(default, chunked)
+
+
+@pytest.mark.parametrize("default, chunked", [
+    (DEFAULT_STEP, CHUNKED_STEP),
+    (dict(Q=0, R=0, P=40), dict(Q=64 - 41, P=40, R=1)),
+], ids=["solution", "other"])
+def test_exercise_5_passes(default, chunked, capsys):
+    day6.exercise_5(default, chunked)
+    assert capsys.readouterr().out == "Day 6, exercise 5: passed\n"

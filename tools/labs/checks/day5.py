@@ -58,17 +58,54 @@ def _script(alloc, doing: list[str] | None = None) -> list:
     return log
 
 
+# What each line of the script's log tests: the hint when it differs.
+_STACK = (
+    "the free list is a stack, not a queue: allocate() takes the most recently freed block "
+    "(pop() from the end, where free() appends)"
+)
+_SCRIPT_HINTS = {
+    "allocate x3": "a fresh pool hands out block 0 first, then 1, 2, ...: keep the free block "
+    "numbers as [n-1, ..., 1, 0] and pop() from the end",
+    "ref counts": "a new block starts with ref_count 1: one sequence maps it",
+    "free blocks": "get_num_free_blocks() is the length of the free list",
+    "free(b): free blocks": "free() of a block with ref_count 1 puts it back on the free list",
+    "allocate after free(b)": _STACK,
+    "shared a, free(a) once: free blocks": "a shared block (ref_count 2) stays in use after one "
+    "free(): it goes back on the free list only when its count reaches 0",
+    "shared a, free(a) once: a.ref_count": "free() drops one reference (ref_count -= 1, not "
+    "ref_count = 0)",
+    "free(a) again: free blocks": "the second free() of a drops its last reference: now it is "
+    "free",
+    "allocate x2 after free(a), free(c)": _STACK,
+}
+
+
+def _script_hint(ref_log: list, got_log: list, what: str) -> str:
+    """The hint for the first differing line; resetting the count to 0 is
+    told apart from appending a block that is still shared."""
+    if what == "shared a, free(a) once: free blocks" and dict(got_log).get(
+        "shared a, free(a) once: a.ref_count"
+    ) == 0:
+        what = "shared a, free(a) once: a.ref_count"
+    return _SCRIPT_HINTS[what]
+
+
 def exercise_1(allocator_cls) -> None:
     """The learner's allocator against core/block_allocator.py::BlockAllocator."""
     ref_log = _script(BlockAllocator(Device.GPU, 16, 5))
-    mine = allocator_cls(Device.GPU, 16, 5)
     with learner_code(f"{allocator_cls.__name__}"):
+        mine = allocator_cls(Device.GPU, 16, 5)
         block = mine.allocate()
-        mine.free(block)
     assert isinstance(block, PhysicalTokenBlock), (
         f"allocate() should return a PhysicalTokenBlock (the engine reads its block_number, "
         f"ref_count and device), got {type(block).__name__}"
     )
+    assert block.ref_count == 1, (
+        f"a new block starts with ref_count 1 (one sequence maps it); yours has "
+        f"{block.ref_count}. Hint: PhysicalTokenBlock(device, number, block_size, ref_count=1)."
+    )
+    with learner_code(f"{allocator_cls.__name__}"):
+        mine.free(block)
     mine, doing = allocator_cls(Device.GPU, 16, 5), []
     try:
         got_log = _script(mine, doing)
@@ -78,16 +115,14 @@ def exercise_1(allocator_cls) -> None:
         raise AssertionError(
             f"On a pool of 5 blocks, {allocator_cls.__name__} raised {type(error).__name__}: "
             f"{error} during '{doing[-1]}' (steps so far: {doing}). Hint: free() of a shared "
-            "block (ref_count 2) only drops one reference; the block is free, and may be freed "
-            "no more, only once the count reaches 0."
+            "block (ref_count 2) only drops one reference (ref_count -= 1, not ref_count = 0); "
+            "the block is free, and may be freed no more, only once the count reaches 0."
         ) from error
     for (what, expected), (_, got) in zip(ref_log, got_log, strict=True):
         assert got == expected, (
             f"With a pool of 5 blocks, after '{what}' the reference gives {expected}, yours "
-            f"{got}.\nHint: a new block starts with ref_count 1; free() decrements ref_count and "
-            "only a block whose count reaches 0 goes back on the free list; the next "
-            "allocate() takes the most recently freed block (a stack), and a fresh pool hands "
-            "out block 0 first."
+            f"{got}.\nHint: {_script_hint(ref_log, got_log, what)} (lesson section 2; the "
+            "reference is core/block_allocator.py::BlockAllocator)."
         )
     full = allocator_cls(Device.CPU, 16, 2)
     with learner_code(f"{allocator_cls.__name__}"):
@@ -98,6 +133,12 @@ def exercise_1(allocator_cls) -> None:
         full.allocate()
     except ValueError:
         pass
+    except Exception as error:  # noqa: BLE001 - reported to the learner
+        raise AssertionError(
+            f"allocate() on an empty pool raised {type(error).__name__}: {error}. It should "
+            "raise ValueError('Out of memory'): test for an empty free list first, rather than "
+            "let pop() fail."
+        ) from error
     else:
         raise AssertionError(
             "allocate() on an empty pool should raise ValueError (out of memory): the block "
@@ -121,20 +162,46 @@ def exercise_1(allocator_cls) -> None:
 # -- exercise 2: slots -----------------------------------------------------------
 
 
+_SLOT_CRASH = (
+    "position p is in logical block p // block_size: index the table as "
+    "block_table[p // block_size], never with p itself"
+)
+
+
+def _call(fn, *args, hint: str = ""):
+    """The learner's function on `args`, an exception becoming a hint."""
+    shown = ", ".join(map(repr, args))
+    with learner_code(f"your `{fn.__name__}({shown})`", hint):
+        got = fn(*args)
+    assert got is not None, f"{fn.__name__}({shown}) returned None: did you forget the `return`?"
+    return got
+
+
 def exercise_2(num_blocks_needed, slot_mapping) -> None:
     """Block counts and slot numbers, against the slots the engine wrote in a trace."""
     for n, bs, want in [(1, 16, 1), (16, 16, 1), (17, 16, 2), (40, 16, 3), (0, 16, 0), (9, 4, 3)]:
-        got = num_blocks_needed(n, bs)
-        assert got == want, (
-            f"num_blocks_needed({n}, block_size={bs}) should be {want}, got {got}. "
-            "Hint: a partly filled block still takes a whole block (round up)."
+        got = _call(num_blocks_needed, n, bs)
+        hint = (
+            "at an exact multiple of block_size the last block is full, not one more: "
+            "(num_tokens + block_size - 1) // block_size"
+            if got == want + 1 and n % bs == 0 else
+            "a partly filled block still takes a whole block (round up)"
         )
-    got = slot_mapping([7, 2, 9], [0, 3, 4, 11], 4)
-    assert list(got) == [28, 31, 8, 39], (
+        assert got == want, (
+            f"num_blocks_needed({n}, block_size={bs}) should be {want}, got {got}. Hint: {hint}."
+        )
+    got = list(_call(slot_mapping, [7, 2, 9], [0, 3, 4, 11], 4, hint=_SLOT_CRASH))
+    hint = (
+        "you used the logical block number instead of the physical one: the block table maps "
+        "logical block p // block_size to physical block block_table[p // block_size]"
+        if got == [0, 3, 4, 11] else
+        "position p lives in logical block p // block_size at offset p % block_size; the "
+        "block table maps the logical block to a physical one, and the slot is "
+        "block_table[p // block_size] * block_size + p % block_size"
+    )
+    assert got == [28, 31, 8, 39], (
         f"slot_mapping([7, 2, 9], positions=[0, 3, 4, 11], block_size=4) should be "
-        f"[28, 31, 8, 39], got {list(got)}. Hint: position p lives in logical block "
-        "p // block_size at offset p % block_size; the block table maps the logical block "
-        "to a physical one, and the slot is physical * block_size + offset."
+        f"[28, 31, 8, 39], got {got}. Hint: {hint} (lesson section 3)."
     )
     run = _slot_run()
     for step in run.trace.steps:
@@ -142,7 +209,8 @@ def exercise_2(num_blocks_needed, slot_mapping) -> None:
             table = step["block_tables"].get(str(entry["seq_id"]))
             if table is None:
                 continue  # finished in this step: its blocks are already freed
-            got = list(slot_mapping(table, entry["positions"], run.trace.block_size))
+            got = list(_call(slot_mapping, table, entry["positions"], run.trace.block_size,
+                             hint=_SLOT_CRASH))
             assert got == entry["slot_mapping"], (
                 f"In step {step['step']} of a traced run, request {entry['request_id']} "
                 f"(block table {table}) wrote positions {entry['positions']} to slots "

@@ -12,7 +12,7 @@ import functools
 import math
 import traceback
 
-from minivllm import SamplingParams
+from minivllm import LLM, SamplingParams
 from minivllm.core.scheduler import Scheduler
 from minivllm.tracer.trace import Trace
 from tools.labs.checks._common import passed
@@ -21,6 +21,7 @@ from tools.labs.checks._engine_runs import (
     check_in_engine,
     first_difference,
     learner_code,
+    quiet_engine,
     run_traced,
     token_prompts,
 )
@@ -647,3 +648,103 @@ def exercise_4(scheduler_cls) -> None:
     )
     assert any(step["swap_out"] for step in got.trace.steps), "this run should swap out"
     passed(DAY, 4)
+
+
+# -- exercise 5: one step, two policies ---------------------------------------------------
+
+# The state before the step: R is running (its 20-token prompt was prefilled
+# in the step before); P (40 tokens) and Q (36 tokens) arrived since and wait,
+# P first. max_num_batched_tokens is 64; blocks and sequence slots are plenty.
+BUDGET_PROMPTS = {"R": 20, "P": 40, "Q": 36}
+BUDGET_ENGINE = dict(block_size=16, num_gpu_blocks_override=32, max_num_batched_tokens=64,
+                     max_model_len=64, max_num_seqs=8)
+_POLICIES = {
+    "default": {},
+    "chunked": {"enable_chunked_prefill": True},
+    "mixed": {"scheduler_cls": "minivllm.core.scheduler.MixedBatchScheduler"},
+}
+
+
+class _Batch:
+    """A step observer that keeps what each step scheduled: request id ->
+    tokens it computes."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+
+    def on_add_request(self, engine, seq_group) -> None:
+        pass
+
+    def on_step(self, engine, record) -> None:
+        self.steps.append({
+            s.seq_group.request_id: s.token_chunk_size
+            for s in record.scheduler_outputs.scheduled_seq_groups
+        })
+
+
+@functools.cache
+def _budget_step(policy: str) -> tuple[tuple[str, int], ...]:
+    with quiet_engine():
+        llm = LLM(dry_run=True, disable_log_stats=True, **BUDGET_ENGINE, **_POLICIES[policy])
+    engine, batch = llm.llm_engine, _Batch()
+    engine.add_step_observer(batch)
+    prompts = dict(zip(BUDGET_PROMPTS, token_prompts(list(BUDGET_PROMPTS.values())),
+                       strict=True))
+    engine.add_request("R", {"prompt_token_ids": prompts["R"]}, _greedy(8))
+    engine.step()  # R's prefill
+    for rid in ("P", "Q"):
+        engine.add_request(rid, {"prompt_token_ids": prompts[rid]}, _greedy(4))
+    engine.step()  # the step of the exercise
+    return tuple((rid, batch.steps[1].get(rid, 0)) for rid in BUDGET_PROMPTS)
+
+
+def budget_step(policy: str) -> dict[str, int]:
+    """What the engine computes in the exercise's step under `policy`
+    ("default", "chunked", or "mixed": the course's MixedBatchScheduler):
+    request id -> tokens (0: it waits)."""
+    return dict(_budget_step(policy))
+
+
+_BUDGET_WHY = {
+    ("default", "R"): "vLLM's default scheduling (Scheduler._schedule_default) runs no decode in "
+    "a step that admits prompts: R keeps its sequence slot but waits this step (0 tokens)",
+    ("default", "P"): "P is at the head of waiting and its 40 tokens fit the 64-token budget: "
+    "it is admitted whole",
+    ("default", "Q"): "without chunked prefill a prompt is admitted whole or not at all: "
+    "40 + 36 = 76 > 64, so Q waits (0 tokens)",
+    ("chunked", "R"): "with chunked prefill (Scheduler._schedule_chunked_prefill) the running "
+    "requests go first: R decodes 1 token",
+    ("chunked", "P"): "after R's 1 token, P's whole 40-token prompt fits what is left (63)",
+    ("chunked", "Q"): "Q gets what is left of the budget as a chunk: 64 - 1 - 40 = 23 of its "
+    "36 tokens (the other 13 come in the next step)",
+}
+
+
+def exercise_5(default_step: dict, chunked_step: dict) -> None:
+    """The learner's table for one step under both policies, against the engine."""
+    mixed = budget_step("mixed")
+    for policy, mine in (("default", default_step), ("chunked", chunked_step)):
+        assert isinstance(mine, dict) and set(mine) == set(BUDGET_PROMPTS), (
+            f"your {policy} table should map each of {sorted(BUDGET_PROMPTS)} to the tokens "
+            f"it computes in the step (0 if it waits), got {mine!r}"
+        )
+        engine = budget_step(policy)
+        wrong = [rid for rid in BUDGET_PROMPTS if mine[rid] != engine[rid]]
+        if not wrong:
+            continue
+        why = "\n".join(
+            f"  {rid}: yours {mine[rid]}, the engine's {engine[rid]}: {_BUDGET_WHY[policy, rid]}."
+            for rid in wrong
+        )
+        note = ""
+        if policy == "default" and mine == mixed:
+            note = (
+                "\nYour table is what the course's MixedBatchScheduler does (decodes first, "
+                "then whole prompts), as many walkthroughs of vLLM's scheduler tell such a "
+                "step; vLLM v0.6 has no such mode (lesson section 2, 'One step, two policies')."
+            )
+        raise AssertionError(
+            f"In the {policy} policy's step (R running; P 40 and Q 36 tokens waiting; budget "
+            f"64), the engine computes {engine}, your table says {mine}.\n{why}{note}"
+        )
+    passed(DAY, 5)
