@@ -329,8 +329,10 @@ def _preemption_error_hint(error: BaseException) -> str:
     return _FALLBACK_ERROR_HINT
 
 
-def _prefill_or_decode(field: str, want, have) -> str | None:
-    """The closer hint when the same sequences ran, one as a prefill here and a decode there."""
+def _closer_hint(field: str, want, have) -> str | None:
+    """The closer hint when the values show the mistake: the same sequences
+    ran, one as a prefill here and a decode there; or a victim went to the
+    other queue (the other preemption mode)."""
     if field == "scheduled" and [(r, s, n) for r, s, _, n in want] == [
         (r, s, n) for r, s, _, n in have
     ]:
@@ -339,6 +341,16 @@ def _prefill_or_decode(field: str, want, have) -> str | None:
             "A RECOMPUTE victim must be prefilled again from scratch: call "
             "seq.reset_state_for_recompute() on each of its sequences."
         )
+    if field == "queues_after":
+        for mine, theirs, mode in (("waiting", "swapped", "RECOMPUTE"),
+                                   ("swapped", "waiting", "SWAP")):
+            moved = sorted(set(have[mine]) & set(want[theirs]))
+            if moved:
+                return (
+                    f"Request {moved[0]} was preempted by {mode} (it is in self.{mine}) where "
+                    f"the reference chose the other mode (self.{theirs}): check the mode rule "
+                    "(lesson section 4)."
+                )
     return None
 
 
@@ -351,7 +363,7 @@ def _check_in_engine(
     try:
         return check_in_engine(
             "scheduler_cls", cls, label, prompts, params, dry_run,
-            hints=_HINTS, error_hint=error_hint, refine_hint=_prefill_or_decode, **engine,
+            hints=_HINTS, error_hint=error_hint, refine_hint=_closer_hint, **engine,
         )
     except AssertionError as error:
         if not focus:
