@@ -381,7 +381,7 @@ CHUNKED_STEP = {"R": 1, "P": 40, "Q": 23}
 ])
 def test_exercise_5_rejects(default, chunked, message):
     with pytest.raises(AssertionError, match=re.escape(message)):
-        day6.exercise_5(default, chunked)
+        day6.exercise_5({"default": default, "chunked": chunked})
 
 
 @pytest.mark.parametrize("default, chunked", [
@@ -389,5 +389,10 @@ def test_exercise_5_rejects(default, chunked, message):
     (dict(Q=0, R=0, P=40), dict(Q=64 - 41, P=40, R=1)),
 ], ids=["solution", "other"])
 def test_exercise_5_passes(default, chunked, capsys):
-    day6.exercise_5(default, chunked)
+    day6.exercise_5({"chunked": chunked, "default": default})
     assert capsys.readouterr().out == "Day 6, exercise 5: passed\n"
+
+
+def test_exercise_5_wants_both_tables():
+    with pytest.raises(AssertionError, match=re.escape("return a dict with two tables")):
+        day6.exercise_5(DEFAULT_STEP)

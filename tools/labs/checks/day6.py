@@ -732,10 +732,15 @@ _BUDGET_WHY = {
 }
 
 
-def exercise_5(default_step: dict, chunked_step: dict) -> None:
-    """The learner's table for one step under both policies, against the engine."""
+def exercise_5(steps: dict) -> None:
+    """The learner's table for one step under both policies ({"default": {...},
+    "chunked": {...}}), against the engine."""
+    assert isinstance(steps, dict) and set(steps) == {"default", "chunked"}, (
+        f"return a dict with two tables, {{'default': {{...}}, 'chunked': {{...}}}}, got {steps!r}"
+    )
     mixed = budget_step("mixed")
-    for policy, mine in (("default", default_step), ("chunked", chunked_step)):
+    for policy in ("default", "chunked"):
+        mine = steps[policy]
         assert isinstance(mine, dict) and set(mine) == set(BUDGET_PROMPTS), (
             f"your {policy} table should map each of {sorted(BUDGET_PROMPTS)} to the tokens "
             f"it computes in the step (0 if it waits), got {mine!r}"
