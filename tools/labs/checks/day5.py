@@ -113,7 +113,8 @@ def exercise_1(allocator_cls) -> None:
     )
     with learner_code(f"{allocator_cls.__name__}"):
         mine.free(block)
-    mine, doing = allocator_cls(Device.GPU, 16, 5), []
+    with learner_code(f"{allocator_cls.__name__}"):
+        mine, doing = allocator_cls(Device.GPU, 16, 5), []
     try:
         got_log = _script(mine, doing)
     except (NotImplementedError, AssertionError):
@@ -131,8 +132,8 @@ def exercise_1(allocator_cls) -> None:
             f"{got}.\nHint: {_script_hint(ref_log, got_log, what)} (lesson section 2; the "
             "reference is core/block_allocator.py::BlockAllocator)."
         )
-    full = allocator_cls(Device.CPU, 16, 2)
     with learner_code(f"{allocator_cls.__name__}"):
+        full = allocator_cls(Device.CPU, 16, 2)
         x = full.allocate()
         full.allocate()
         assert x.device == Device.CPU, "a block should remember its allocator's device"
@@ -157,6 +158,11 @@ def exercise_1(allocator_cls) -> None:
         full.free(x)
     except ValueError:
         pass
+    except Exception as error:  # noqa: BLE001 - reported to the learner
+        raise AssertionError(
+            f"free() of a block whose ref_count is already 0 raised {type(error).__name__}: "
+            f"{error}. It should raise ValueError (a double free): test ref_count == 0 first."
+        ) from error
     else:
         raise AssertionError(
             "free() of a block whose ref_count is already 0 should raise ValueError (a double "
