@@ -107,13 +107,18 @@ def test_exercise_1_passes(answer, capsys):
 
 def _admission(*, skip_ahead=False, never_not_popped=False, never_breaks=False,
                one_seq=False, append_running=False, not_returned=False, no_token_charge=False,
-               no_seq_charge=False):
+               no_seq_charge=False, budget_first=False):
     class MyScheduler(Scheduler):
         def _schedule_prefills(self, budget, out, enable_chunking=False):
             prefills = []
             skipped = []
             while self.waiting:
                 seq_group = self.waiting[0]
+                if budget_first and not budget.can_schedule(
+                    num_new_tokens=seq_group.get_seqs(SequenceStatus.WAITING)[0].get_len(),
+                    num_new_seqs=seq_group.get_max_num_running_seqs(),
+                ):
+                    break
                 status = self.block_manager.can_allocate(seq_group)
                 if status == AllocStatus.LATER:
                     if skip_ahead:
@@ -183,6 +188,7 @@ class _AlternativeAdmission(Scheduler):
     ("not_returned", "took it off self.waiting but did not return it"),
     ("no_token_charge", "budget.add_num_batched_tokens"),
     ("no_seq_charge", "budget.add_num_seqs"),
+    ("budget_first", "even when the budget is spent"),
 ])
 def test_exercise_2_rejects(mistake, message):
     with pytest.raises(AssertionError, match=re.escape(message)):

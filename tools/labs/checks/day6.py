@@ -417,6 +417,12 @@ def exercise_2(scheduler_cls) -> None:
          "a prompt with AllocStatus.NEVER must leave the waiting queue (popleft, then "
          "self._ignore(seq_group, out, reason)) and admission goes on with the next: waiting "
          "cannot help it, and stopping there would block every request behind it forever."),
+        ("max_num_seqs=1: a prompt that fits, one that can never fit, one that fits",
+         token_prompts([20, 80, 20]), _greedy(3),
+         dict(block_size=16, num_gpu_blocks_override=4, max_model_len=128, max_num_seqs=1),
+         "request 1 can never fit: it is ignored in step 0, as soon as it reaches the head of "
+         "the queue, even when the budget is spent (request 0 took the only sequence slot). "
+         "Ask can_allocate first, then the budget."),
         ("the watermark: four 390-token prompts (25 blocks each) in 100 blocks, 1 kept back",
          token_prompts([390] * 4), _greedy(4),
          dict(block_size=16, num_gpu_blocks_override=100, max_model_len=512),
