@@ -202,14 +202,14 @@ def test_a_crash_in_the_learners_code_names_their_line():
     from tools.labs.checks._engine_runs import learner_code
 
     def allocate_twice(table):
-        return table["missing"]
+        return [table[key] for key in ["missing"]]
 
     with pytest.raises(AssertionError) as caught:
         with learner_code("MyBlockManager", lambda e: f"likely: {type(e).__name__}"):
             allocate_twice({})
     assert str(caught.value) == (
         "MyBlockManager raised KeyError: 'missing', in your `allocate_twice`, "
-        "at the line `return table[\"missing\"]`.\nHint: likely: KeyError"
+        "at the line `return [table[key] for key in [\"missing\"]]`.\nHint: likely: KeyError"
     )
 
 

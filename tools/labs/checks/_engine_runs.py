@@ -115,6 +115,12 @@ def _is_library(filename: str) -> bool:
     return filename.startswith("<frozen") or os.path.realpath(filename).startswith(_LIBRARY_DIRS)
 
 
+def _function(frames: list[traceback.FrameSummary]) -> str:
+    """The innermost named function: a comprehension (`<listcomp>` before
+    Python 3.12) is reported as the function it is written in."""
+    return next((f.name for f in reversed(frames) if not f.name.startswith("<")), frames[-1].name)
+
+
 def where_it_failed(error: BaseException) -> str:
     """Where an exception was raised, said for a learner: the last line of
     their own code on its way, or, when none is, the engine's line that
@@ -123,12 +129,12 @@ def where_it_failed(error: BaseException) -> str:
     mine = [f for f in frames if not _is_library(f.filename)]
     if mine:
         line = (mine[-1].line or "").strip()
-        return f"in your `{mine[-1].name}`" + (f", at the line `{line}`" if line else "")
+        return f"in your `{_function(mine)}`" + (f", at the line `{line}`" if line else "")
     if not frames:
         return "before any code ran"
     last = frames[-1]
     return (
-        f"not in your code but in the engine's `{last.name}` "
+        f"not in your code but in the engine's `{_function(frames)}` "
         f"({os.path.relpath(os.path.realpath(last.filename), _ENGINE_DIR)}, line {last.lineno}), "
         "which tripped over something your code returned or left behind"
     )
