@@ -50,8 +50,10 @@ class StepLimit:
             raise AssertionError(
                 f"The engine ran {self.max_steps} steps without finishing, far more than the "
                 "reference needs for this workload: requests are preempted or kept waiting "
-                "forever. Look for blocks that are never given back, or a table that grows "
-                "faster than one block per block_size tokens."
+                "forever. In a block manager, look for blocks that are never given back, or a "
+                "table that grows faster than one block per block_size tokens; in a scheduler, "
+                "for a request that is never admitted, never scheduled again, or never leaves "
+                "its queue."
             )
 
 
