@@ -117,6 +117,7 @@ def _run_engine_other(engine, prompts, params):
     return sorted(done, key=lambda o: int(o.request_id))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake, message", [
     ("finish_order", "come back in the order of the prompts"),
     ("every_output", "keep only the outputs with output.finished"),
@@ -131,6 +132,7 @@ def test_exercise_2_rejects(llm, mistake, message):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer", [_run_engine, _run_engine_other])
 def test_exercise_2_passes(llm, answer, capsys):
     day1.exercise_2(answer, llm)
@@ -287,6 +289,7 @@ def _my_step_other(engine):
                      for name, a, b in zip(names, marks, marks[1:], strict=False)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake, message", [
     ("drop_moves", "the scheduler asked the worker for blocks_to_copy=[(3, 6)]"),
     ("no_swap_out", "These moves save the KV cache of a preempted request"),
@@ -308,6 +311,7 @@ def test_exercise_4_rejects(llm, mistake, message):
     assert not llm.llm_engine.step_observers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer", [_my_step, _my_step_other])
 def test_exercise_4_passes(llm, answer, capsys):
     day1.exercise_4(answer, llm)

@@ -316,8 +316,9 @@ def _wrong_counts(engine, record, row: dict[str, Any]) -> dict[str, dict[Any, st
 
 
 def _staggered_run(engine, observers) -> None:
-    """A and B arrive, two steps pass, C arrives: step 2 mixes C's prefill
-    with A's and B's decodes (the default fcfs policy)."""
+    """A and B arrive, two steps pass, C arrives: step 2 is C's prefill
+    alone, A and B running but not in the batch (the default scheduler does
+    not mix prefills with decodes)."""
     tag = next(_ids)
     ids = [f"day1-ex3-{tag}-{name}" for name in "ABC"]
     for observer in observers:
