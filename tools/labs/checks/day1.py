@@ -785,6 +785,9 @@ def _pdb_driver() -> None:
         pass
 
 
+_PDB_TIMEOUT_S = 120
+
+
 def _run_pdb(commands: list[str]) -> tuple[str, list[dict[str, Any]]]:
     """The transcript of a pdb session on the scenario, and the engine's
     state at each stop in LLMEngine.step."""
@@ -793,11 +796,20 @@ def _run_pdb(commands: list[str]) -> tuple[str, list[dict[str, Any]]]:
         path = os.pathsep.join(
             [str(_REPO), str(_REPO / "reference_impl"), os.environ.get("PYTHONPATH", "")]
         )
-        proc = subprocess.run(
-            [sys.executable, "-c", "from tools.labs.checks.day1 import _pdb_driver; _pdb_driver()"],
-            input="\n".join([*commands, "quit"]) + "\n", capture_output=True, text=True,
-            timeout=120, cwd=_REPO, env={**os.environ, "PYTHONPATH": path, "DAY1_PDB_STOPS": stops},
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c",
+                 "from tools.labs.checks.day1 import _pdb_driver; _pdb_driver()"],
+                input="\n".join([*commands, "quit"]) + "\n", capture_output=True, text=True,
+                timeout=_PDB_TIMEOUT_S, cwd=_REPO,
+                env={**os.environ, "PYTHONPATH": path, "DAY1_PDB_STOPS": stops},
+            )
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"The pdb session did not end within {_PDB_TIMEOUT_S} s. Hint: a command that "
+                "waits for more input (interact, a multi-line command) keeps pdb waiting; "
+                "use one-line commands such as break, continue, p and pp."
+            ) from None
         assert proc.returncode == 0, f"the pdb session failed:\n{proc.stderr[-2000:]}"
         states = []
         if os.path.exists(stops):
