@@ -274,9 +274,11 @@ class _ReferenceLog:
 _GROUPS = ("you counted groups (requests); count sequences, len(m.seq_data): a request with "
            "n=2 decodes two sequences")
 _QUEUES = ("you counted the scheduler's queues, but a queue is not the batch: a waiting "
-           "request may not be admitted this step (max_num_seqs, the token budget), a request "
-           "in running may still be prefilling its prompt in chunks, and a preempted one is "
-           "in no batch. Count from the step's own batch, record.seq_group_metadata_list")
+           "request may not be admitted this step (max_num_seqs, the token budget), a running "
+           "one may sit out a step while a prompt is prefilled alone (the default scheduler "
+           "does not mix prefills with decodes) or still be prefilling its prompt in chunks, "
+           "and a preempted one is in no batch. Count from the step's own batch, "
+           "record.seq_group_metadata_list")
 _PROMPT_LENS = ("a prefill does not always bring its whole prompt: with chunked prefill a long "
                 "prompt is split over several steps. Count the tokens the model really ran "
                 "on, len(record.batch.input_ids)")
