@@ -26,7 +26,7 @@ from minivllm.config import ModelConfig
 from minivllm.tracer import load_trace
 from minivllm.worker.cache_engine import CacheEngine
 from tools.labs.checks._common import passed
-from tools.labs.checks._engine_runs import quiet_engine, token_prompts
+from tools.labs.checks._engine_runs import learner_code, quiet_engine, token_prompts
 
 DAY = 2
 
@@ -91,7 +91,45 @@ def _shape(config) -> dict[str, int]:
     }
 
 
+_GPT2_NAMES = ("n_layer", "n_head", "n_embd")
+
+
+def _bytes_error(error: BaseException) -> str:
+    """The likely mistake behind an exception from kv_cache_bytes_per_token."""
+    text = str(error)
+    if isinstance(error, AttributeError) and any(n in text for n in _GPT2_NAMES):
+        return ("n_layer, n_head and n_embd are GPT-2's own names; every Hugging Face config "
+                "(GPT-2's too) answers to num_hidden_layers, num_attention_heads and hidden_size")
+    if isinstance(error, AttributeError):
+        return ("not every config has every field. GPT-2 has no num_key_value_heads (each head "
+                "keeps its own K and V), Qwen2 has no head_dim (it is hidden_size // "
+                "num_attention_heads): fall back the way ModelConfig.get_num_kv_heads and "
+                "get_head_size do")
+    if isinstance(error, TypeError) and "NoneType" in text:
+        return ("a field was None: getattr(config, name, None) gives None where the config "
+                "lacks it (or sets it to None); fall back with `or`, e.g. "
+                "getattr(config, 'num_key_value_heads', None) or config.num_attention_heads")
+    return "bytes = 2 (K and V) x layers x kv_heads x head_size x dtype_bytes"
+
+
+def _wrong_bytes(config, dtype_bytes: int, want: int) -> list[tuple[int, str]]:
+    """(what a usual mistake gives for this config, why), the mistakes in order."""
+    s = _shape(config)
+    return [
+        (want * s["heads"] // s["kv_heads"], "you counted the query heads (hidden_size is "
+         "num_attention_heads x head_size); only the KV heads are cached (grouped-query "
+         "attention: num_key_value_heads)"),
+        (want // 2, "did you forget that both K and V are cached (the factor 2)?"),
+        (want // dtype_bytes, "that is the number of elements; multiply by dtype_bytes"),
+        (want // s["layers"], "that is one layer; every layer has its own K and V"),
+        (want * (config.hidden_size // s["heads"]) // s["head_size"],
+         "use head_dim when the config sets it: the head size need not be "
+         "hidden_size // num_attention_heads"),
+    ]
+
+
 def exercise_1(kv_cache_bytes_per_token) -> None:
+    wrong = []  # (where, the engine's bytes, yours, the mistakes that would give yours)
     for name, (config, dtype_bytes) in real_configs().items():
         want = _engine_bytes_per_token(name)
         s = _shape(config)
@@ -99,35 +137,31 @@ def exercise_1(kv_cache_bytes_per_token) -> None:
             f"{name} ({s['layers']} layers, {s['heads']} query heads, {s['kv_heads']} KV heads, "
             f"head size {s['head_size']}, {dtype_bytes} bytes per element)"
         )
-        try:
+        with learner_code(f"For {where} your kv_cache_bytes_per_token", _bytes_error):
             got = kv_cache_bytes_per_token(config, dtype_bytes)
-        except AttributeError as e:
-            raise AssertionError(
-                f"For {where} your function raised AttributeError: {e}. Hint: not every "
-                "config has every field. GPT-2 has no num_key_value_heads (each head keeps its "
-                "own K and V), Qwen2 has no head_dim (it is hidden_size // num_attention_heads): "
-                "fall back the way ModelConfig.get_num_kv_heads and get_head_size do."
-            ) from None
-        if got == want:
-            continue
-        hints = [
-            (want * s["heads"] // s["kv_heads"], "you counted the query heads; only the KV "
-             "heads are cached (grouped-query attention: num_key_value_heads)"),
-            (want // 2, "did you forget that both K and V are cached (the factor 2)?"),
-            (want // dtype_bytes, "that is the number of elements; multiply by dtype_bytes"),
-            (want // s["layers"], "that is one layer; every layer has its own K and V"),
-            (want * (config.hidden_size // s["heads"]) // s["head_size"],
-             "use head_dim when the config sets it: the head size need not be "
-             "hidden_size // num_attention_heads"),
-        ]
-        hint = next((h for value, h in hints if got == value and value != want),
-                    "bytes = 2 (K and V) x layers x kv_heads x head_size x dtype_bytes")
-        raise AssertionError(
-            f"For {where} the engine allocates {want} bytes per token "
-            f"(CacheEngine.get_cache_block_size with a 1-token block), your function gave "
-            f"{got!r}. Hint: {hint}."
+        assert isinstance(got, int) and not isinstance(got, bool), (
+            f"For {where} your function returned {got!r}, a {type(got).__name__}: a number of "
+            "bytes is a whole number, an int. Hint: use // (integer division) for the head "
+            "size, not /."
         )
-    passed(DAY, 1)
+        if got != want:
+            explains = [h for value, h in _wrong_bytes(config, dtype_bytes, want)
+                        if got == value != want]
+            wrong.append((where, want, got, explains))
+    if not wrong:
+        passed(DAY, 1)
+        return
+    # The mistake that explains every wrong answer (two can coincide on one
+    # config: the factor 2 and 2-byte elements), else the first config's.
+    every = [h for h in wrong[0][3] if all(h in explains for *_, explains in wrong)]
+    hint = next(iter(every or wrong[0][3]),
+                "bytes = 2 (K and V) x layers x kv_heads x head_size x dtype_bytes")
+    where, want, got, _ = wrong[0]
+    raise AssertionError(
+        f"For {where} the engine allocates {want} bytes per token "
+        f"(CacheEngine.get_cache_block_size with a 1-token block), your function gave "
+        f"{got!r}. Hint: {hint}."
+    )
 
 
 # Exercise 2 ---------------------------------------------------------------------
@@ -162,7 +196,13 @@ def exercise_2(blocks_needed) -> None:
     for block_size in (16, 8, 32, 1):
         for num_tokens in range(1, 3 * block_size + 2):
             want = math.ceil(num_tokens / block_size)
-            got = blocks_needed(num_tokens, block_size)
+            with learner_code(f"Your blocks_needed({num_tokens}, {block_size})"):
+                got = blocks_needed(num_tokens, block_size)
+            assert isinstance(got, int) and not isinstance(got, bool), (
+                f"blocks_needed({num_tokens}, {block_size}) returned {got!r}, a "
+                f"{type(got).__name__}: a number of blocks is an int. Hint: math.ceil returns "
+                "an int (numpy's np.ceil a float), and -(-n // b) is one too."
+            )
             full, rest = divmod(num_tokens, block_size)
             why = (
                 f"{num_tokens} tokens fill exactly {full} block(s): no extra block when the "
@@ -212,6 +252,15 @@ _EX3 = dict(
 )
 
 
+def _usage_error(error: BaseException) -> str:
+    if isinstance(error, KeyError):
+        return ("a step line is JSON, whose keys are strings: step['block_tables'] and "
+                "step['seqs'] are keyed by the sequence id as a string ('0', not 0); use the "
+                "keys of step['block_tables'] as they are")
+    return ("print one step line (step['seqs'], step['block_tables']) and read its fields; "
+            "reference_impl/minivllm/tracer/SCHEMA.md describes them")
+
+
 def exercise_3(kv_usage) -> None:
     kwargs = dict(_EX3)
     trace = _traced_run(kwargs.pop("prompt_lens"), kwargs.pop("max_tokens"),
@@ -222,7 +271,8 @@ def exercise_3(kv_usage) -> None:
         # The engine's own accounting agrees: blocks in use = pool - free.
         in_use = (trace.num_gpu_blocks - step["free_blocks"]["gpu"]) * block_size
         assert want["paged"] == in_use, "internal: the trace's free blocks disagree"
-        got = kv_usage(step, block_size, max_model_len)
+        with learner_code(f"Your kv_usage (step {step['step']})", _usage_error):
+            got = kv_usage(step, block_size, max_model_len)
         assert isinstance(got, dict) and set(got) == set(want), (
             f"kv_usage should return a dict with the keys {sorted(want)}, got {got!r}"
         )
@@ -231,7 +281,7 @@ def exercise_3(kv_usage) -> None:
                 continue
             holders = sorted(step["block_tables"], key=int)
             others = sorted(set(step["seqs"]) - set(holders), key=int)
-            hint = {
+            hint = _usage_hint(key, got[key], step, block_size, max_model_len) or {
                 "live": "live tokens are those whose K/V are in the cache: each sequence's "
                 "num_computed_tokens (the token sampled this step has no K/V yet), summed over "
                 "the sequences in step['block_tables']",
@@ -248,6 +298,29 @@ def exercise_3(kv_usage) -> None:
                 f"Hint: {hint}."
             )
     passed(DAY, 3)
+
+
+def _usage_hint(key: str, got: Any, step: dict, block_size: int, max_model_len: int) -> str:
+    """The closest reason for a wrong kv_usage field, or ''."""
+    tables, seqs = step["block_tables"], step["seqs"]
+    everyone = {
+        "live": sum(seq["num_computed_tokens"] for seq in seqs.values()),
+        "contiguous": len(seqs) * max_model_len,
+    }
+    if key in everyone and got == everyone[key] != reference_kv_usage(
+        step, block_size, max_model_len
+    )[key]:
+        return ("you counted every sequence in step['seqs'], those that finished in this step "
+                "or wait preempted (holding no blocks) included; count the sequences in "
+                "step['block_tables']")
+    if key == "live" and got == sum(seqs[sid]["num_tokens"] for sid in tables):
+        return ("num_tokens is the sequence's length, including the token sampled in this step, "
+                "whose K/V are not in the cache yet; count num_computed_tokens")
+    if key == "paged" and got == len(tables) * block_size:
+        return "a sequence may hold several blocks: count them all, len(table) for each table"
+    if key == "paged" and got == sum(len(t) for t in tables.values()):
+        return "that is blocks; the answer is in token slots, blocks x block_size"
+    return ""
 
 
 # Exercise 4 ---------------------------------------------------------------------
@@ -267,17 +340,58 @@ def reference_how_many_fit(budget_bytes, bytes_per_token, block_size, max_model_
     return contiguous, paged
 
 
-_PLAIN_CASES = [
+_REAL_SCALE_CASES = [
     # Llama-3-8B (128 KiB per token) with 40 GiB of KV cache, max_model_len 8192.
     (40 << 30, 131072, 16, 8192, [1000] * 400),
     (40 << 30, 131072, 16, 8192, [8192] * 50),
+    # Room for 40 contiguous reservations, but only 10 requests.
+    (40 << 30, 131072, 16, 8192, [1000] * 10),
     # Llama-2-7B (512 KiB per token), 20 GiB, max_model_len 4096, mixed lengths.
     (20 << 30, 524288, 16, 4096, [300, 1200, 4096, 50, 700, 2000, 3500, 900, 100] * 4),
-    # The shipped model, small budgets.
+]
+# The shipped model with budgets under 100 blocks (no watermark held back), so
+# the real scheduler admits exactly what fits.
+_SMALL_CASES = [
     (30 * 16 * 2048, 2048, 16, 512, [100, 30, 64, 17, 200, 5, 90]),
     (25 * 16 * 2048, 2048, 16, 512, [100, 300, 10]),
+    # 4 + 6 blocks fill the 10 exactly; the third request finds none left.
+    (10 * 16 * 2048, 2048, 16, 512, [64, 96, 1]),
     (64 * 8 * 2048, 2048, 8, 256, [9, 8, 7, 16, 17, 1, 64, 120, 33]),
 ]
+_PLAIN_CASES = _REAL_SCALE_CASES + _SMALL_CASES
+
+
+def _contiguous_hint(got, budget_bytes, bytes_per_token, block_size, max_model_len,
+                     seq_lens) -> str:
+    slots = budget_bytes // bytes_per_token
+    if got == slots // max_model_len > len(seq_lens):
+        return (f"the budget has room for {got} reservations of max_model_len slots, but there "
+                f"are only {len(seq_lens)} sequences: no more than len(seq_lens) can run, so "
+                "cap the answer with min(...)")
+    by_length = 0
+    for n in seq_lens:
+        if n > slots:
+            break
+        slots -= n
+        by_length += 1
+    if got == by_length:
+        return ("that counts each sequence's own length; a contiguous server cannot know how "
+                "long a sequence will grow, so it reserves max_model_len slots for each")
+    return ("each sequence reserves max_model_len slots whatever its length; the budget holds "
+            "budget_bytes // bytes_per_token slots, and there are only len(seq_lens) sequences")
+
+
+def _paged_strict(budget_bytes, bytes_per_token, block_size, max_model_len, seq_lens) -> int:
+    """The paged count that stops when a sequence needs all the blocks left."""
+    free = budget_bytes // (bytes_per_token * block_size)
+    paged = 0
+    for n in seq_lens:
+        need = -(-n // block_size)
+        if need >= free:
+            break
+        free -= need
+        paged += 1
+    return paged
 
 
 def _engine_admits(budget_bytes, block_size, max_model_len, seq_lens) -> int:
@@ -300,7 +414,8 @@ def exercise_4(how_many_fit) -> None:
     for case in _PLAIN_CASES:
         budget, per_token, block_size, max_model_len, lens = case
         want = reference_how_many_fit(*case)
-        got = how_many_fit(budget, per_token, block_size, max_model_len, list(lens))
+        with learner_code("Your how_many_fit"):
+            got = how_many_fit(budget, per_token, block_size, max_model_len, list(lens))
         described = (
             f"how_many_fit({budget}, {per_token}, {block_size}, {max_model_len}, "
             f"{len(lens)} sequences of lengths {lens[:9]}{' ...' if len(lens) > 9 else ''})"
@@ -309,10 +424,8 @@ def exercise_4(how_many_fit) -> None:
             f"{described} should return a pair (contiguous, paged), got {got!r}"
         )
         assert got[0] == want[0], (
-            f"{described}: contiguous should be {want[0]}, got {got[0]}. Hint: each sequence "
-            "reserves max_model_len slots whatever its length; the budget holds "
-            "budget_bytes // bytes_per_token slots, and there are only len(seq_lens) "
-            "sequences."
+            f"{described}: contiguous should be {want[0]}, got {got[0]}. Hint: "
+            f"{_contiguous_hint(got[0], *case)}."
         )
         if got[1] != want[1]:
             skipped = reference_how_many_fit(
@@ -322,13 +435,16 @@ def exercise_4(how_many_fit) -> None:
                 "the scheduler admits in arrival order and stops at the first sequence that "
                 "does not fit (first come, first served: no overtaking)"
                 if got[1] > want[1] and skipped >= got[1]
+                else "a sequence that needs exactly the blocks left still fits: stop when it "
+                "needs more than are free (need > free), not as many"
+                if got[1] == _paged_strict(*case)
                 else "each sequence takes ceil(length / block_size) whole blocks, and the "
                 "budget holds budget_bytes // (bytes_per_token * block_size) blocks"
             )
             raise AssertionError(f"{described}: paged should be {want[1]}, got {got[1]}. "
                                  f"Hint: {hint}.")
-    # The real scheduler agrees (budgets under 100 blocks: no watermark held back).
-    for budget, per_token, block_size, max_model_len, lens in _PLAIN_CASES[3:]:
+    # The real scheduler agrees.
+    for budget, per_token, block_size, max_model_len, lens in _SMALL_CASES:
         admitted = _engine_admits(budget, block_size, max_model_len, lens)
         got = how_many_fit(budget, per_token, block_size, max_model_len, list(lens))[1]
         assert got == admitted, (
