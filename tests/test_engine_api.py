@@ -243,7 +243,10 @@ def test_unknown_engine_argument_is_named():
         ({"block_size": 12}, "block_size must be a power of two from 1 to 128, got 12"),
         ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
         ({"preemption_mode": "evict"}, "preemption_mode must be None or one of"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
+        (
+            {"tensor_parallel_size": 3},
+            r"heads \(4\) must be divisible by tensor_parallel_size \(3\)",
+        ),
         (
             {"max_model_len": 100000},
             "max_model_len must be between 1 and the model's context length 512",

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from minivllm import envs
-from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from minivllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from minivllm.engine.arg_utils import EngineArgs
 
 PACKAGE = pathlib.Path(envs.__file__).parent
@@ -37,7 +43,8 @@ def test_every_option_is_a_flag_of_its_type():
         "--enable-chunked-prefill", "--scheduling-policy", "priority",
         "--scheduler-cls", "tests.engine_spies.RecordingScheduler", "--no-disable-log-stats",
         "--tokenizer", "/tok", "--trust-remote-code", "--block-manager-cls", "a.B",
-        "--tensor-parallel-size", "1", "--no-enforce-eager",
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+        "--no-enforce-eager",
     ]
     args = EngineArgs.from_cli_args(parser().parse_args(argv))
     given = {a.lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a[:2] == "--"}
@@ -49,8 +56,8 @@ def test_every_option_is_a_flag_of_its_type():
         num_gpu_blocks_override=12, enable_prefix_caching=True, max_num_seqs=4,
         max_num_batched_tokens=64, preemption_mode="swap", enable_chunked_prefill=True,
         scheduling_policy="priority", scheduler_cls="tests.engine_spies.RecordingScheduler",
-        block_manager_cls="a.B", disable_log_stats=False, tensor_parallel_size=1,
-        enforce_eager=False,
+        block_manager_cls="a.B", disable_log_stats=False, tensor_parallel_size=2,
+        distributed_executor_backend="ray", enforce_eager=False,
     )
 
 
@@ -67,7 +74,7 @@ def test_bad_flag_values_are_refused_by_argparse(argv, capsys):
 def test_option_defaults_are_the_configs_defaults():
     """One default per option: EngineArgs takes it from the config class
     that owns the option (device included: it used to differ)."""
-    owners = [ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig]
+    owners = [ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig]
     defaults, checked = EngineArgs(), {"model"}  # no default model: the shipped one
     for config in owners:  # the first config to hold a name owns it
         for f in dataclasses.fields(config):

@@ -361,7 +361,10 @@ def test_engine_options_refuse_wrong_types(tiny_model_dir, kwargs, shown):
         # (Refused already: guards.)
         ({"swap_space": -1}, ["swap_space", "-1"]),
         ({"gpu_memory_utilization": NAN}, ["gpu_memory_utilization", "nan"]),
-        ({"tensor_parallel_size": 2}, ["tensor_parallel_size", "2"]),
+        ({"tensor_parallel_size": 3}, ["tensor_parallel_size (3)", "divisible"]),
+        ({"tensor_parallel_size": 0}, ["tensor_parallel_size", "0"]),
+        ({"distributed_executor_backend": "threads"}, ["executor_backend", "'threads'"]),
+        ({"tensor_parallel_size": 2, "dry_run": True}, ["tensor_parallel_size=2", "dry_run"]),
         ({"kv_cache_memory_bytes": 0}, ["kv_cache_memory_bytes", "0"]),
         ({"max_num_batched_tokens": 0}, ["max_num_batched_tokens", "0"]),
         ({"max_model_len": 0}, ["max_model_len", "0"]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -69,6 +70,38 @@ class DeviceConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over workers: tensor parallelism only (vLLM's
+    ParallelConfig also has pipeline parallelism).
+
+    `distributed_executor_backend` starts the workers beyond the first: "mp"
+    (processes on this machine), "ray" (Ray actors, on this machine or a Ray
+    cluster). None chooses as vLLM does: "ray" when this process has already
+    connected to Ray (`ray.init()`), else "mp"; with one worker, none is used.
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        check_int("tensor_parallel_size", self.tensor_parallel_size, low=1)
+        if self.distributed_executor_backend is not None:
+            check_choice(
+                "distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"),
+                "'mp', 'ray' or None",
+            )
+        elif self.world_size > 1:
+            ray = sys.modules.get("ray")
+            self.distributed_executor_backend = (
+                "ray" if ray is not None and ray.is_initialized() else "mp"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
 
 
 @dataclass
@@ -193,11 +226,39 @@ class ModelConfig:
         c = self.hf_config
         return getattr(c, "num_attention_heads", None) or c.n_head
 
-    def get_num_kv_heads(self) -> int:
+    def get_total_num_kv_heads(self) -> int:
         """KV heads: fewer than query heads under grouped-query attention."""
         return getattr(self.hf_config, "num_key_value_heads", None) or (
             self.get_num_attention_heads()
         )
+
+    def get_num_kv_heads(self, parallel_config: ParallelConfig | None = None) -> int:
+        """KV heads on each worker: the total split over the tensor-parallel
+        ranks, and at least one (a KV head is replicated when there are fewer
+        KV heads than ranks). Without a parallel config: one worker."""
+        tp = parallel_config.tensor_parallel_size if parallel_config else 1
+        return max(1, self.get_total_num_kv_heads() // tp)
+
+    def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
+        """Refuse, before any worker starts, a split that leaves a rank part of a head."""
+        tp = parallel_config.tensor_parallel_size
+        heads = self.get_num_attention_heads()
+        if heads % tp:
+            raise ValueError(
+                f"Total number of attention heads ({heads}) must be divisible by "
+                f"tensor_parallel_size ({tp})."
+            )
+        kv_heads = self.get_total_num_kv_heads()
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(
+                f"Total number of KV heads ({kv_heads}) and tensor_parallel_size ({tp}) must "
+                "divide one another (each rank holds a share of the KV heads, or one replica)."
+            )
+        if tp > 1 and self.dry_run:
+            raise ValueError(
+                f"tensor_parallel_size={tp} with dry_run=True: a dry run has no model to "
+                "split; use tensor_parallel_size=1"
+            )
 
     def get_head_size(self) -> int:
         c = self.hf_config
@@ -350,6 +411,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def default_cpu_kv_cache_bytes() -> int:

@@ -393,3 +393,17 @@ class CompletionSequenceGroupOutput:
 
     samples: list[SequenceOutput]
     prompt_logprobs: list[PositionLogprobs] | None = None
+
+
+@dataclass
+class ExecuteModelRequest:
+    """One step, as the engine hands it to the executor: the scheduled
+    groups and the block moves to apply before the model runs (vLLM's class
+    of the same name). `with_batch`: attach the flattened batch to the
+    output even in a dry run (a step observer reads it)."""
+
+    seq_group_metadata_list: list[SequenceGroupMetadata]
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    with_batch: bool = False

@@ -17,9 +17,10 @@ from minivllm.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
-from minivllm.utils import check_bool, check_int
+from minivllm.utils import check_bool
 
 # The command-line type of each option's annotation (classes come by name).
 _CLI_TYPES = {
@@ -117,9 +118,16 @@ class EngineArgs:
     )
     # Off by default, as in vLLM's `LLM`: `LLMEngine.get_stats()` works either way.
     disable_log_stats: bool = _option(True, "no periodic throughput log line")
-    # Accepted so vLLM code runs unchanged; only their single-device,
-    # eager values are possible here.
-    tensor_parallel_size: int = _option(1, "devices to shard the model over (1 only, for now)")
+    tensor_parallel_size: int = _option(
+        ParallelConfig.tensor_parallel_size, "workers (devices) to shard the model over"
+    )
+    distributed_executor_backend: str | None = _option(
+        ParallelConfig.distributed_executor_backend,
+        "how workers beyond the first start: mp (processes here) or ray (default: mp, or "
+        "ray if ray.init() was called)",
+        choices=["mp", "ray"],
+    )
+    # Accepted so vLLM code runs unchanged; minivllm always runs eagerly.
     enforce_eager: bool = _option(True, "accepted for vLLM's sake; minivllm always runs eagerly")
 
     @classmethod
@@ -164,13 +172,6 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The configs; each checks its own options (types, ranges) when made,
         and the options that have no config are checked here."""
-        check_int(
-            "tensor_parallel_size",
-            self.tensor_parallel_size,
-            low=1,
-            high=1,
-            allowed="1 (minivllm runs on one device)",
-        )
         # Both values run the same (eagerly): vLLM code that sets it runs unchanged.
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("disable_log_stats", self.disable_log_stats)
@@ -206,7 +207,13 @@ class EngineArgs:
             scheduler_cls=self.scheduler_cls,
             block_manager_cls=self.block_manager_cls,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config, device_config)
+        parallel_config = ParallelConfig(
+            self.tensor_parallel_size, self.distributed_executor_backend
+        )
+        model_config.verify_with_parallel_config(parallel_config)
+        return EngineConfig(
+            model_config, cache_config, scheduler_config, device_config, parallel_config
+        )
 
 
 @dataclass

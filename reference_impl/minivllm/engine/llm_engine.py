@@ -43,10 +43,12 @@ from minivllm.engine.metrics import StatLogger, Stats, build_stats
 from minivllm.engine.step_observer import StepObserver, StepRecord, queue_request_ids
 from minivllm.engine.stop_checker import StopChecker
 from minivllm.engine.trace_writer import TraceWriter
+from minivllm.executor import get_executor_class
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import (
+    ExecuteModelRequest,
     PositionLogprobs,
     Sequence,
     SequenceGroup,
@@ -57,9 +59,7 @@ from minivllm.sequence import (
 from minivllm.transformers_utils.detokenizer import Detokenizer
 from minivllm.transformers_utils.tokenizer import get_tokenizer
 from minivllm.utils import WrongTypeError, check_float, check_int, is_int, show
-from minivllm.worker.dry_run_worker import DryRunWorker
 from minivllm.worker.model_runner import FlatBatch
-from minivllm.worker.worker import Worker
 
 PromptType = str | dict
 
@@ -88,11 +88,14 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.seq_counter = itertools.count()
 
-        worker_cls = DryRunWorker if self.model_config.dry_run else Worker
-        self.worker = worker_cls(self.model_config, self.cache_config, engine_config.device_config)
-        self.worker.load_model()
-        num_gpu_blocks, num_cpu_blocks = self.worker.determine_num_available_blocks()
-        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        self.model_executor = get_executor_class(engine_config)(
+            self.model_config, self.cache_config, engine_config.parallel_config,
+            engine_config.device_config,
+        )
+        num_gpu_blocks, num_cpu_blocks = self.model_executor.determine_num_available_blocks()
+        self.model_executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        # The worker in this process (the driver of several); Day 1 drives it by hand.
+        self.worker = self.model_executor.driver_worker
 
         self.scheduler: Scheduler = self.scheduler_config.scheduler_cls(
             self.scheduler_config, self.cache_config
@@ -354,6 +357,9 @@ class LLMEngine:
             raise
         request_outputs = self._undelivered + request_outputs
         self._undelivered = []
+        if not self.has_unfinished_requests():
+            # Nothing left: release the other workers from waiting for a step.
+            self.model_executor.stop_remote_worker_execution_loop()
         if record is not None:
             self._notify_observers(record, request_outputs)
         return request_outputs
@@ -369,12 +375,14 @@ class LLMEngine:
         scheduler_outputs: SchedulerOutputs,
         with_batch: bool = False,
     ) -> SamplerOutput:
-        return self.worker.execute_model(
-            seq_group_metadata_list,
-            scheduler_outputs.blocks_to_swap_in,
-            scheduler_outputs.blocks_to_swap_out,
-            scheduler_outputs.blocks_to_copy,
-            with_batch=with_batch,
+        return self.model_executor.execute_model(
+            ExecuteModelRequest(
+                seq_group_metadata_list,
+                scheduler_outputs.blocks_to_swap_in,
+                scheduler_outputs.blocks_to_swap_out,
+                scheduler_outputs.blocks_to_copy,
+                with_batch=with_batch,
+            )
         )
 
     def _process_step(

@@ -60,16 +60,28 @@ def safetensors_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]
             raise ValueError(f"Could not read the weights file {file!r}: {e}") from e
 
 
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor (or this rank's shard of it) into a parameter
+    (or its rows of a fused one), refusing a shape that does not match."""
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape {tuple(loaded.shape)} in the checkpoint, the model expects {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
 def load_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    stacked_params_mapping: list[tuple[str, str, str]] = (),
+    stacked_params_mapping: list[tuple[str, str, str | int]] = (),
 ) -> None:
     """Copy checkpoint tensors into the model's parameters, by name.
 
-    A checkpoint part listed in `stacked_params_mapping` goes into its rows
-    of a fused `MergedLinear`. Every parameter must be loaded exactly once,
-    except an output head tied to the input embedding.
+    Each parameter's `weight_loader` (layers/linear.py) copies this rank's
+    shard of the full checkpoint tensor; a checkpoint part listed in
+    `stacked_params_mapping` goes into its rows of a fused projection. Every
+    parameter must be loaded exactly once, except an output head tied to
+    the input embedding.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -79,8 +91,7 @@ def load_named_weights(
         for fused, part, shard_id in stacked_params_mapping:
             if f".{part}." in name:
                 name = name.replace(f".{part}.", f".{fused}.")
-                layer = model.get_submodule(name.rsplit(".", 1)[0])
-                layer.weight_loader(params[name], tensor, shard_id)
+                params[name].weight_loader(params[name], tensor, shard_id)
                 loaded.add(name)
                 break
         else:
@@ -88,13 +99,11 @@ def load_named_weights(
                 if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
                     continue  # some checkpoints store the tied head anyway
                 raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            param.data.copy_(tensor)
+            loader = getattr(params[name], "weight_loader", default_weight_loader)
+            try:
+                loader(params[name], tensor)
+            except ValueError as e:
+                raise ValueError(f"Checkpoint tensor {name!r}: {e}") from e
             loaded.add(name)
     # A tied parameter appears under two names; loading either loads both.
     loaded_ids = {id(params[n]) for n in loaded}

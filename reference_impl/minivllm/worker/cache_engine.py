@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention.backends.abstract import AttentionBackend
-from minivllm.config import CacheConfig, ModelConfig
+from minivllm.config import CacheConfig, ModelConfig, ParallelConfig
 
 
 class CacheEngine:
@@ -19,12 +19,13 @@ class CacheEngine:
         self,
         cache_config: CacheConfig,
         model_config: ModelConfig,
+        parallel_config: ParallelConfig,
         device: torch.device,
         attn_backend: type[AttentionBackend],
     ) -> None:
         self.block_size = cache_config.block_size
         self.num_layers = model_config.get_num_layers()
-        self.num_kv_heads = model_config.get_num_kv_heads()
+        self.num_kv_heads = model_config.get_num_kv_heads(parallel_config)  # this rank's
         self.head_size = model_config.get_head_size()
         self.dtype = model_config.dtype
         self.attn_backend = attn_backend  # the model runner's, resolved once
@@ -70,8 +71,12 @@ class CacheEngine:
             self.attn_backend.copy_blocks(self.gpu_cache, pairs)
 
     @staticmethod
-    def get_cache_block_size(block_size: int, model_config: ModelConfig) -> int:
-        """Bytes of one block across all layers: K and V of block_size tokens."""
+    def get_cache_block_size(
+        block_size: int, model_config: ModelConfig, parallel_config: ParallelConfig | None = None
+    ) -> int:
+        """Bytes of one block across all layers on one worker: K and V of
+        block_size tokens, for this worker's share of the KV heads."""
         elem = torch.tensor([], dtype=model_config.dtype).element_size()
-        per_token = 2 * model_config.get_num_kv_heads() * model_config.get_head_size() * elem
+        num_kv_heads = model_config.get_num_kv_heads(parallel_config)
+        per_token = 2 * num_kv_heads * model_config.get_head_size() * elem
         return model_config.get_num_layers() * block_size * per_token

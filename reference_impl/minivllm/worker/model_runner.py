@@ -12,10 +12,12 @@ that samples, and the prompt positions of requests with prompt_logprobs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from minivllm.attention import AttentionMetadata
+from minivllm.attention.backends.abstract import AttentionBackend
 from minivllm.attention.selector import get_attn_backend
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
 from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
@@ -26,11 +28,43 @@ from minivllm.sequence import SequenceGroupMetadata
 
 @dataclass
 class ModelInput:
-    batch: FlatBatch  # what the tensors below are made from
+    """What the model runs on in one step. Under tensor parallelism the
+    driver builds it and broadcasts its tensors; the other ranks rebuild it
+    without `batch` and `sampling_metadata` (only the driver samples) but
+    with the rows to compute logits for, which they help gather."""
+
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata
-    sampling_metadata: SamplingMetadata
+    selected_token_indices: torch.Tensor  # [num_selected_rows]
+    batch: FlatBatch | None = None  # what the tensors above are made from (driver)
+    sampling_metadata: SamplingMetadata | None = None  # driver only
+
+    # The AttentionMetadata fields, all broadcast as they are.
+    _ATTN_FIELDS = (
+        "num_prefills", "num_prefill_tokens", "num_decode_tokens", "slot_mapping", "seq_lens",
+        "context_lens", "query_start_loc", "block_tables", "seq_lens_tensor",
+    )
+
+    def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
+        return {
+            "input_ids": self.input_ids,
+            "positions": self.positions,
+            "selected_token_indices": self.selected_token_indices,
+            **{name: getattr(self.attn_metadata, name) for name in self._ATTN_FIELDS},
+        }
+
+    @classmethod
+    def from_broadcasted_tensor_dict(
+        cls, tensors: dict[str, Any], attn_backend: type[AttentionBackend]
+    ) -> ModelInput:
+        attn_metadata = attn_backend.get_metadata_cls()(
+            **{name: tensors[name] for name in cls._ATTN_FIELDS}
+        )
+        return cls(
+            tensors["input_ids"], tensors["positions"], attn_metadata,
+            tensors["selected_token_indices"],
+        )
 
 
 @dataclass
@@ -145,23 +179,24 @@ class ModelRunner:
             block_tables=as_tensor(padded_tables),
             seq_lens_tensor=as_tensor(batch.seq_lens),
         )
+        sampling_metadata = SamplingMetadata.prepare(
+            seq_group_metadata_list, batch.seq_lens, batch.context_lens, self.device
+        )
         return ModelInput(
-            batch=batch,
             input_ids=as_tensor(batch.input_ids),
             positions=as_tensor(batch.positions),
             attn_metadata=attn_metadata,
-            sampling_metadata=SamplingMetadata.prepare(
-                seq_group_metadata_list, batch.seq_lens, batch.context_lens, self.device
-            ),
+            selected_token_indices=sampling_metadata.selected_token_indices,
+            batch=batch,
+            sampling_metadata=sampling_metadata,
         )
 
     @torch.inference_mode()
     def execute_model(
-        self,
-        seq_group_metadata_list: list[SequenceGroupMetadata],
-        kv_caches: list[torch.Tensor],
-    ) -> SamplerOutput:
-        model_input = self.prepare_model_input(seq_group_metadata_list)
+        self, model_input: ModelInput, kv_caches: list[torch.Tensor]
+    ) -> SamplerOutput | None:
+        """Run the model and sample; on the ranks other than the driver, run
+        this rank's shard of the model and return None (the driver samples)."""
         hidden_states = self.model(
             model_input.input_ids,
             model_input.positions,
@@ -169,8 +204,11 @@ class ModelRunner:
             model_input.attn_metadata,
         )  # [num_tokens, hidden_size]
         # Only the rows the sampler reads need logits.
-        hidden_states = hidden_states[model_input.sampling_metadata.selected_token_indices]
-        logits = self.model.compute_logits(hidden_states)  # [num_selected_rows, vocab_size]
+        hidden_states = hidden_states[model_input.selected_token_indices]
+        # [num_selected_rows, vocab_size] on the driver (gathered), None elsewhere
+        logits = self.model.compute_logits(hidden_states)
+        if logits is None:
+            return None
         output = self.sampler(logits, model_input.sampling_metadata)
         output.batch = model_input.batch
         return output

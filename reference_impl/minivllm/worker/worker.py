@@ -2,11 +2,19 @@
 
 Each step it first applies the scheduler's block moves (swap in, swap out,
 copy-on-write), then runs the model on the scheduled batch.
+
+Under tensor parallelism there is one worker per rank, each with its shard of
+the model and the KV cache of its heads. The driver worker (rank 0, in the
+engine's process) gets the step from the engine, prepares the model input and
+broadcasts it with the block moves; the other workers wait in
+`start_worker_execution_loop` for each broadcast, apply the same moves to
+their cache, and run their shard. Only the driver samples.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Any
 
 import torch
 
@@ -14,24 +22,61 @@ from minivllm.config import (
     CacheConfig,
     DeviceConfig,
     ModelConfig,
+    ParallelConfig,
     default_cpu_kv_cache_bytes,
+)
+from minivllm.distributed import (
+    broadcast_tensor_dict,
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+    model_parallel_is_initialized,
 )
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.sequence import SequenceGroupMetadata
 from minivllm.utils import gib, host_memory_bytes, show
 from minivllm.worker.cache_engine import CacheEngine
-from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.model_runner import ModelInput, ModelRunner
 
 
 class Worker:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device_config: DeviceConfig,
+        parallel_config: ParallelConfig | None = None,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
+        self.parallel_config = parallel_config or ParallelConfig()
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = rank == 0
         self.device = device_config.torch_device
         self.model_runner = ModelRunner(model_config, cache_config, device_config)
         self.cache_engine: CacheEngine | None = None
+
+    def init_device(self) -> None:
+        """Join the tensor-parallel group (gloo on CPU, NCCL on GPU). One
+        worker alone creates no process group."""
+        world_size = self.parallel_config.world_size
+        if world_size == 1:
+            if model_parallel_is_initialized():
+                raise RuntimeError(
+                    "another engine in this process runs with tensor parallelism; shut it down "
+                    "(llm.llm_engine.model_executor.shutdown()) before starting one without"
+                )
+            return
+        if self.device.type == "cuda":
+            # One GPU per rank on this machine: "cuda" means this rank's from here on.
+            torch.cuda.set_device(self.rank)
+        init_distributed_environment(
+            world_size, self.rank, self.distributed_init_method, self.rank,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+        )
+        ensure_model_parallel_initialized(self.parallel_config.tensor_parallel_size)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -39,7 +84,9 @@ class Worker:
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that fit the memory budgets."""
         cfg = self.cache_config
-        block_bytes = CacheEngine.get_cache_block_size(cfg.block_size, self.model_config)
+        block_bytes = CacheEngine.get_cache_block_size(
+            cfg.block_size, self.model_config, self.parallel_config
+        )
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
             source = f"kv_cache_memory_bytes={show(budget)}"
@@ -97,7 +144,8 @@ class Worker:
         self.cache_config.num_gpu_blocks = num_gpu_blocks
         self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.cache_engine = CacheEngine(
-            self.cache_config, self.model_config, self.device, self.model_runner.attn_backend
+            self.cache_config, self.model_config, self.parallel_config, self.device,
+            self.model_runner.attn_backend,
         )
 
     @property
@@ -106,20 +154,61 @@ class Worker:
 
     def execute_model(
         self,
-        seq_group_metadata_list: list[SequenceGroupMetadata],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
+        seq_group_metadata_list: list[SequenceGroupMetadata] | None = None,
+        blocks_to_swap_in: list[tuple[int, int]] = (),
+        blocks_to_swap_out: list[tuple[int, int]] = (),
+        blocks_to_copy: list[tuple[int, int]] = (),
         *,
         with_batch: bool = False,
-    ) -> SamplerOutput:
+    ) -> SamplerOutput | None:
         """Move the blocks, then run the model. The output carries the
         `FlatBatch` the model ran on whatever `with_batch` says: building it
         is part of running the model. (A dry run has no model input, and
-        builds one only `with_batch`.)"""
-        self.cache_engine.swap_in(blocks_to_swap_in)
-        self.cache_engine.swap_out(blocks_to_swap_out)
-        self.cache_engine.copy(blocks_to_copy)
-        if not seq_group_metadata_list:
+        builds one only `with_batch`.)
+
+        On the driver of several workers, the step is broadcast first; on
+        the others, called with no arguments, it is received: an empty
+        broadcast means stop, and returns None."""
+        if self.is_driver_worker:
+            worker_input = {
+                "blocks_to_swap_in": list(blocks_to_swap_in),
+                "blocks_to_swap_out": list(blocks_to_swap_out),
+                "blocks_to_copy": list(blocks_to_copy),
+            }
+            model_input = None
+            if seq_group_metadata_list:
+                model_input = self.model_runner.prepare_model_input(seq_group_metadata_list)
+            if self.parallel_config.world_size > 1:
+                tensors = model_input.as_broadcastable_tensor_dict() if model_input else {}
+                broadcast_tensor_dict({**worker_input, **tensors}, src=0)
+        else:
+            received = broadcast_tensor_dict(src=0)
+            if not received:
+                return None
+            worker_input, model_input = self._unpack(received)
+        self.cache_engine.swap_in(worker_input["blocks_to_swap_in"])
+        self.cache_engine.swap_out(worker_input["blocks_to_swap_out"])
+        self.cache_engine.copy(worker_input["blocks_to_copy"])
+        if model_input is None:
             return SamplerOutput([])
-        return self.model_runner.execute_model(seq_group_metadata_list, self.gpu_cache)
+        output = self.model_runner.execute_model(model_input, self.gpu_cache)
+        return output if output is not None else SamplerOutput([])
+
+    def _unpack(self, received: dict[str, Any]) -> tuple[dict[str, Any], ModelInput | None]:
+        moves = ("blocks_to_swap_in", "blocks_to_swap_out", "blocks_to_copy")
+        worker_input = {name: received.pop(name) for name in moves}
+        if not received:  # the step ran no model (only block moves)
+            return worker_input, None
+        return worker_input, ModelInput.from_broadcasted_tensor_dict(
+            received, self.model_runner.attn_backend
+        )
+
+    def start_worker_execution_loop(self) -> None:
+        """A worker other than the driver: run every step the driver
+        broadcasts, until it broadcasts the empty step that means stop."""
+        while self.execute_model() is not None:
+            pass
+
+    def stop_remote_worker_execution_loop(self) -> None:
+        """The driver: release the other workers from their loop."""
+        broadcast_tensor_dict({}, src=0)

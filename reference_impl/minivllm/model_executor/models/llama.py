@@ -19,8 +19,17 @@ from transformers import PretrainedConfig
 from minivllm.attention import Attention, AttentionMetadata
 from minivllm.model_executor.layers.activation import SiluAndMul
 from minivllm.model_executor.layers.layernorm import RMSNorm
-from minivllm.model_executor.layers.linear import MergedLinear
+from minivllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from minivllm.model_executor.layers.logits_processor import LogitsProcessor
 from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from minivllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from minivllm.model_executor.weight_utils import load_named_weights
 
 
@@ -29,28 +38,40 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: silu")
-        sizes = {"gate": intermediate_size, "up": intermediate_size}
-        self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up, _ = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / tp]
+        x, _ = self.down_proj(self.act_fn(gate_up))  # all-reduced
+        return x
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool) -> None:
         super().__init__()
         hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(config, "head_dim", None) or hidden_size // self.num_heads
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = (
+            getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        )
+        self.head_size = getattr(config, "head_dim", None) or hidden_size // self.total_num_heads
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, self.head_size, self.total_num_heads, self.total_num_kv_heads,
+            bias=qkv_bias,
+        )
+        # This rank's heads: a share of the query heads, and of the KV heads
+        # (or one of them, replicated, when there are fewer KV heads than ranks).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        self.qkv_proj = MergedLinear(hidden_size, sizes, bias=qkv_bias)
-        self.o_proj = nn.Linear(
-            self.q_size, hidden_size, bias=getattr(config, "attention_bias", False)
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_size, hidden_size,
+            bias=getattr(config, "attention_bias", False),
         )
         self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings, config)
         self.attn = Attention(
@@ -64,10 +85,11 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        qkv, _ = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        output, _ = self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return output
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -97,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers)
         )
@@ -117,17 +139,18 @@ class LlamaForCausalLM(nn.Module):
         ("qkv_proj", "q_proj", "q"),
         ("qkv_proj", "k_proj", "k"),
         ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", "gate"),
-        ("gate_up_proj", "up_proj", "up"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
     ]
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, qkv_bias=self.qkv_bias(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @staticmethod
     def qkv_bias(config: PretrainedConfig) -> bool:
@@ -142,8 +165,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)  # [num_rows, vocab_size]
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        # [num_rows, vocab_size] on the driver; None on the other ranks
+        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, self.stacked_params_mapping)

@@ -1,0 +1,140 @@
+"""Workers in processes of their own, called like local objects (vLLM's
+`multiproc_worker_utils.py`).
+
+`ProcessWorkerWrapper` starts one worker process (spawned: a fresh
+interpreter, so no CUDA or thread state is inherited) and sends it
+`(task_id, method, args)` on its task queue; every process answers on one
+shared result queue, which a `ResultHandler` thread reads to complete the
+caller's `Future`. A `WorkerMonitor` thread waits on the processes: one that
+dies unasked fails every pending call with its rank and exit code, and the
+others are stopped. Each worker process also watches its parent and exits
+when the parent is gone, so no worker outlives a killed engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import traceback
+from concurrent.futures import Future
+from multiprocessing.connection import wait
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_STOP = None  # on a task queue: leave the task loop
+
+
+class ResultHandler(threading.Thread):
+    """Completes each task's Future from the shared result queue."""
+
+    def __init__(self, context) -> None:
+        super().__init__(daemon=True, name="minivllm-result-handler")
+        self.result_queue = context.Queue()
+        self.tasks: dict[int, Future] = {}
+
+    def run(self) -> None:
+        for task_id, value, error in iter(self.result_queue.get, _STOP):
+            future = self.tasks.pop(task_id, None)
+            if future is None:
+                continue
+            if error is None:
+                future.set_result(value)
+            else:
+                future.set_exception(RuntimeError(error))
+
+    def fail_all(self, message: str) -> None:
+        for task_id in list(self.tasks):
+            future = self.tasks.pop(task_id, None)
+            if future is not None and not future.done():
+                future.set_exception(RuntimeError(message))
+
+    def close(self) -> None:
+        self.result_queue.put(_STOP)
+
+
+class ProcessWorkerWrapper:
+    _task_ids = itertools.count()
+
+    def __init__(self, context, result_handler: ResultHandler, rank: int,
+                 worker_args: tuple, num_threads: int) -> None:
+        self.rank = rank
+        self.result_handler = result_handler
+        self.tasks = context.Queue()
+        self.process = context.Process(
+            target=_run_worker_process,
+            args=(rank, worker_args, num_threads, self.tasks, result_handler.result_queue),
+            name=f"minivllm-worker-rank{rank}",
+            daemon=True,
+        )
+        self.process.start()
+
+    def execute_method(self, method: str, *args: Any) -> Future:
+        future: Future = Future()
+        task_id = next(self._task_ids)
+        self.result_handler.tasks[task_id] = future
+        self.tasks.put((task_id, method, args))
+        return future
+
+    def terminate(self, timeout: float = 5.0) -> None:
+        if self.process.is_alive():
+            self.tasks.put(_STOP)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+class WorkerMonitor(threading.Thread):
+    """Notices a worker process that exits while the executor still needs it."""
+
+    def __init__(self, workers: list[ProcessWorkerWrapper], result_handler: ResultHandler) -> None:
+        super().__init__(daemon=True, name="minivllm-worker-monitor")
+        self.workers = workers
+        self.result_handler = result_handler
+        self.closing = False
+        self.failure: str | None = None
+
+    def run(self) -> None:
+        sentinels = {w.process.sentinel: w for w in self.workers}
+        dead = wait(list(sentinels))
+        if self.closing:
+            return
+        worker = sentinels[dead[0]]
+        worker.process.join()
+        self.failure = (
+            f"worker rank {worker.rank} (pid {worker.process.pid}) died unexpectedly "
+            f"with exit code {worker.process.exitcode}"
+        )
+        logger.error("%s; stopping the other workers", self.failure)
+        self.result_handler.fail_all(self.failure)
+        for other in self.workers:
+            if other is not worker:
+                other.terminate(timeout=1.0)
+
+
+def _exit_with_parent() -> None:
+    """In a worker: exit as soon as the engine's process is gone."""
+    wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
+
+
+def _run_worker_process(rank: int, worker_args: tuple, num_threads: int, tasks, results) -> None:
+    import torch
+
+    from minivllm.worker.worker import Worker
+
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    torch.set_num_threads(num_threads)
+    worker = None
+    for task_id, method, args in iter(tasks.get, _STOP):
+        try:
+            if worker is None:
+                worker = Worker(*worker_args)
+            results.put((task_id, getattr(worker, method)(*args), None))
+        except BaseException as error:  # noqa: BLE001 - sent to the engine
+            message = f"worker rank {rank}: {type(error).__name__}: {error}"
+            results.put((task_id, None, message + "\n" + traceback.format_exc()))
