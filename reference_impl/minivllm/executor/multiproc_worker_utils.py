@@ -17,6 +17,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import traceback
 from concurrent.futures import Future
@@ -128,6 +129,9 @@ def _run_worker_process(rank: int, worker_args: tuple, num_threads: int, tasks, 
     from minivllm.worker.worker import Worker
 
     threading.Thread(target=_exit_with_parent, daemon=True).start()
+    # Ctrl-C in a terminal reaches the whole process group: the engine's
+    # process handles it and stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     worker = None
     for task_id, method, args in iter(tasks.get, _STOP):
