@@ -142,6 +142,20 @@ def where_it_failed(error: BaseException) -> str:
     )
 
 
+def component_of(error: BaseException, cls: type) -> Any:
+    """The innermost `self` of class `cls` on the exception's way (None if
+    none): the learner's block manager or scheduler as the error left it,
+    for a hint that reads its state."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("self")
+        if isinstance(candidate, cls):
+            found = candidate
+        tb = tb.tb_next
+    return found
+
+
 def learner_code(what: str, hint: str | Callable[[BaseException], str] = ""):
     """Turn an unexpected exception from the learner's component into an
     AssertionError that names the component, says where it was raised (the

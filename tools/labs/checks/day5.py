@@ -22,6 +22,7 @@ from tools.labs.checks._engine_runs import (
     StepLimit,
     check_in_engine,
     compare_runs,
+    component_of,
     learner_code,
     quiet_engine,
     run_traced,
@@ -267,17 +268,6 @@ _HINTS = {
 }
 
 
-def _manager_of(error: BaseException) -> BlockSpaceManager | None:
-    """The block manager whose code raised `error` (the `self` of a frame on its way)."""
-    tb, found = error.__traceback__, None
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, BlockSpaceManager):
-            found = candidate
-        tb = tb.tb_next
-    return found
-
-
 def _raised_in(error: BaseException, function: str) -> bool:
     """Is `function` (a method of the engine, or the learner's) on the exception's way?"""
     return any(frame.name == function for frame in traceback.extract_tb(error.__traceback__))
@@ -320,7 +310,7 @@ def _engine_hint(error: BaseException) -> str:
             "blocks (ceil(len / block_size)), and append_slots appends a block when the next "
             "token opens a new block (len(table) < seq.n_blocks), before any copy-on-write"
         )
-    manager = _manager_of(error)
+    manager = component_of(error, BlockSpaceManager)
     if "Double free" in text and manager is not None:
         tables = list(manager.block_tables.values())
         if len({id(t) for t in tables}) < len(tables):

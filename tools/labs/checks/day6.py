@@ -19,6 +19,7 @@ from tools.labs.checks._common import passed
 from tools.labs.checks._engine_runs import (
     Run,
     check_in_engine,
+    component_of,
     first_difference,
     learner_code,
     quiet_engine,
@@ -191,19 +192,6 @@ _HINTS = {
 }
 
 
-def _scheduler_of(error: BaseException) -> Scheduler | None:
-    """The scheduler whose code raised `error` (the `self` of a frame on
-    its way), to look at the queues it was left with."""
-    tb = error.__traceback__
-    found = None
-    while tb is not None:
-        candidate = tb.tb_frame.f_locals.get("self")
-        if isinstance(candidate, Scheduler):
-            found = candidate
-        tb = tb.tb_next
-    return found
-
-
 def _raised_in(error: BaseException, filename: str) -> bool:
     last = traceback.extract_tb(error.__traceback__)[-1:]
     return bool(last) and last[0].filename.replace("\\", "/").endswith(filename)
@@ -243,7 +231,7 @@ _TOKENS_NOT_SUMMED = "num_batched_tokens is not the sum"
 
 def _admission_error_hint(error: BaseException) -> str:
     """Exercise 2: the likely mistake behind an exception from the engine."""
-    twice = _twice_in_a_queue(_scheduler_of(error))
+    twice = _twice_in_a_queue(component_of(error, Scheduler))
     if twice:
         return (
             f"{twice}: the step itself puts the groups you return in self.running, so "
@@ -275,7 +263,7 @@ def _admission_error_hint(error: BaseException) -> str:
 
 def _preemption_error_hint(error: BaseException) -> str:
     """Exercise 4: the likely mistake behind an exception from the engine."""
-    scheduler = _scheduler_of(error)
+    scheduler = component_of(error, Scheduler)
     twice = _twice_in_a_queue(scheduler)
     if twice:
         return (
