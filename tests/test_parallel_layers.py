@@ -174,9 +174,12 @@ def _collectives(rank: int) -> dict:
     mine = torch.full((2, 3), float(rank + 1))
     sent = {"input_ids": torch.arange(6).view(2, 3), "num_prefills": 1, "name": "step 3"}
     received = group.broadcast_tensor_dict(sent if rank == 0 else None)
+    before = (group.stats.calls, group.stats.bytes)
+    reduced = group.all_reduce(mine.clone()).numpy()
     return {
         "world": (get_tensor_model_parallel_world_size(), group.rank_in_group),
-        "all_reduce": group.all_reduce(mine.clone()).numpy(),
+        "counted": (group.stats.calls - before[0], group.stats.bytes - before[1]),
+        "all_reduce": reduced,
         "all_gather": group.all_gather(mine, dim=0).numpy(),
         "gather": None if (g := group.gather(mine, dst=0, dim=-1)) is None else g.numpy(),
         "dict": {k: (v.numpy() if isinstance(v, torch.Tensor) else v)
@@ -189,6 +192,7 @@ def test_collectives_of_the_tensor_parallel_group(ranks):
     ones, twos = np.full((2, 3), 1.0), np.full((2, 3), 2.0)
     for rank, got in enumerate(ranks):
         assert got["world"] == (2, rank)
+        assert got["counted"] == (1, 2 * 3 * 4)  # one call, six float32
         np.testing.assert_array_equal(got["all_reduce"], ones + twos)
         np.testing.assert_array_equal(got["all_gather"], np.concatenate([ones, twos], axis=0))
         assert got["dict"]["num_prefills"] == 1 and got["dict"]["name"] == "step 3"

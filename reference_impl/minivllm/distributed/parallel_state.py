@@ -19,11 +19,24 @@ setting up a distributed world (vLLM asserts that the group exists).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CollectiveStats:
+    """What this rank's collectives have cost so far (`tools/bench/tp.py`
+    reads the driver's per step). Time includes waiting for the slowest rank."""
+
+    calls: int = 0
+    bytes: int = 0  # tensor bytes this rank put into collectives
+    seconds: float = 0.0
 
 
 @dataclass
@@ -35,6 +48,15 @@ class GroupCoordinator:
     rank: int  # this process's global rank
     device_group: dist.ProcessGroup | None  # tensors (gloo or NCCL); None alone
     cpu_group: dist.ProcessGroup | None  # Python objects (always gloo)
+    stats: CollectiveStats = field(default_factory=CollectiveStats)
+
+    @contextmanager
+    def _counted(self, tensor: torch.Tensor | None = None) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.stats.calls += 1
+        self.stats.bytes += 0 if tensor is None else tensor.numel() * tensor.element_size()
+        self.stats.seconds += time.perf_counter() - start
 
     @property
     def world_size(self) -> int:
@@ -52,7 +74,8 @@ class GroupCoordinator:
         """The elementwise sum over the group, on every rank (in place)."""
         if self.world_size == 1:
             return input_
-        dist.all_reduce(input_, group=self.device_group)
+        with self._counted(input_):
+            dist.all_reduce(input_, group=self.device_group)
         return input_
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -60,7 +83,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return input_
         parts = [torch.empty_like(input_) for _ in range(self.world_size)]
-        dist.all_gather(parts, input_.contiguous(), group=self.device_group)
+        with self._counted(input_):
+            dist.all_gather(parts, input_.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
@@ -72,12 +96,14 @@ class GroupCoordinator:
         parts = None
         if self.rank_in_group == dst:
             parts = [torch.empty_like(input_) for _ in range(self.world_size)]
-        dist.gather(input_, parts, dst=self.ranks[dst], group=self.device_group)
+        with self._counted(input_):
+            dist.gather(input_, parts, dst=self.ranks[dst], group=self.device_group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:
-            dist.broadcast(input_, src=self.ranks[src], group=self.device_group)
+            with self._counted(input_):
+                dist.broadcast(input_, src=self.ranks[src], group=self.device_group)
         return input_
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
@@ -85,7 +111,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return obj
         box = [obj if self.rank_in_group == src else None]
-        dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
+        with self._counted():
+            dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
         return box[0]
 
     def broadcast_tensor_dict(
