@@ -17,6 +17,7 @@ from tools.bench.kv_efficiency import StepUsage, contiguous_usage, paged_usage
 from tools.bench.latency import run_latency
 from tools.bench.step_cost import linear_fit, measure_step_cost
 from tools.bench.throughput import agreement, make_static_batch, run_throughput
+from tools.bench.tp import run_tp
 
 VOCAB = 384  # the tiny checkpoints' tokenizer
 
@@ -109,6 +110,24 @@ def test_step_cost_counts_only_full_decode_steps(tiny_model_dir):
     assert cost.steps == 3
     assert cost.schedule_us_per_seq > 0 and cost.process_us_per_seq > 0
     assert cost.total_us_per_seq >= max(cost.schedule_us_per_seq, cost.process_us_per_seq)
+
+
+@pytest.mark.slow
+def test_tp_counts_the_collectives_of_a_decode_step(tiny_model_dir):
+    """Per decode step on 2 ranks the driver runs, by hand: the broadcast of
+    the step (one object with the plain values, then 6 tensors: input_ids,
+    positions, selected_token_indices, slot_mapping, block_tables,
+    seq_lens_tensor), one all-reduce for the embedding, two per layer (2
+    layers), and the gather of the logits."""
+    one = run_tp(tiny_model_dir("llama"), 1, batch=2, prompt_len=8, output_len=4)
+    two = run_tp(tiny_model_dir("llama"), 2, batch=2, prompt_len=8, output_len=4)
+    assert one.steps == two.steps == 3  # every decode after the first step's
+    assert (one.collectives_per_step, one.kb_per_step_per_layer) == (0, 0)
+    assert two.collectives_per_step == 1 + 6 + 1 + 2 * 2 + 1
+    # Each all-reduce moves the batch's hidden states, 2 x 64 float32: at
+    # least 2 of them per layer.
+    assert two.kb_per_step_per_layer >= 2 * (2 * 64 * 4) / 1e3
+    assert two.weights_mb_per_rank < 0.6 * one.weights_mb_per_rank
 
 
 def test_linear_fit_recovers_a_line():
