@@ -4,6 +4,7 @@ from minivllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from minivllm.engine.async_llm_engine import AsyncLLMEngine
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.llm import LLM
+from minivllm.model_executor.models import ModelRegistry
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -16,6 +17,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "ModelRegistry",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -24,6 +24,8 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
+from minivllm.model_executor.models import ModelRegistry
+
 logger = logging.getLogger(__name__)
 
 _STOP = None  # on a task queue: leave the task loop
@@ -67,7 +69,8 @@ class ProcessWorkerWrapper:
         self.tasks = context.Queue()
         self.process = context.Process(
             target=_run_worker_process,
-            args=(rank, worker_args, num_threads, self.tasks, result_handler.result_queue),
+            args=(rank, worker_args, ModelRegistry.registered(), num_threads, self.tasks,
+                  result_handler.result_queue),
             name=f"minivllm-worker-rank{rank}",
             daemon=True,
         )
@@ -123,10 +126,15 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
-def _run_worker_process(rank: int, worker_args: tuple, num_threads: int, tasks, results) -> None:
+def _run_worker_process(rank: int, worker_args: tuple, registered_models: dict,
+                        num_threads: int, tasks, results) -> None:
     import torch
 
+    from minivllm.model_executor.models import ModelRegistry
     from minivllm.worker.worker import Worker
+
+    for architecture, model_cls in registered_models.items():
+        ModelRegistry.register_model(architecture, model_cls)
 
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     # Ctrl-C in a terminal reaches the whole process group: the engine's

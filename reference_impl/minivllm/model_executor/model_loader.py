@@ -8,14 +8,14 @@ from torch import nn
 from minivllm.attention.backends.abstract import AttentionBackend
 from minivllm.attention.selector import set_attn_backend
 from minivllm.config import ModelConfig
-from minivllm.model_executor.models import get_model_class
+from minivllm.model_executor.models import ModelRegistry
 from minivllm.model_executor.weight_utils import safetensors_weights_iterator
 
 
 def get_model(
     model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]
 ) -> nn.Module:
-    model_class = get_model_class(model_config.architecture)
+    model_class = ModelRegistry.resolve_model_cls(model_config.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
