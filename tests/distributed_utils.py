@@ -4,16 +4,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from minivllm.utils import get_open_port
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, results, args) -> None:
@@ -46,7 +41,7 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
     A rank that raises fails the call with its traceback; no process outlives it."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = get_open_port()
     procs = [
         ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args))
         for rank in range(world_size)

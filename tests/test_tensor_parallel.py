@@ -185,3 +185,32 @@ def test_no_worker_outlives_its_engine_process(how, tiny_model_dir, tmp_path):
     pids = [int(p) for p in result.stdout.split("pids", 1)[1].split()]
     assert result.returncode == (0 if how == "exits" else -signal.SIGKILL), result.stderr
     assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in pids))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_the_ray_executor_gives_the_same_tokens(local_ray, tiny_model_dir):
+    """Rank 1 as a Ray actor on a local Ray instance (2 CPUs: one bundle per rank)."""
+    from minivllm.executor.ray_executor import RayExecutor
+
+    path = tiny_model_dir("opt")
+    prompts = make_prompts(300, seed=3)[:4]
+    want = _tokens(LLM(path, disable_log_stats=True), prompts)
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray",
+              disable_log_stats=True)
+    executor = llm.llm_engine.model_executor
+    try:
+        assert type(executor) is RayExecutor
+        assert _tokens(llm, prompts) == want
+        assert _tokens(llm, prompts[:2]) == want[:2]  # the loop restarts after an idle engine
+    finally:
+        executor.shutdown()
+    assert local_ray.util.placement_group_table() and all(
+        pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values()
+    )

@@ -6,6 +6,7 @@ import importlib
 import math
 import numbers
 import os
+import socket
 
 
 def resolve_obj_by_qualname(qualname: str, option: str) -> type:
@@ -26,6 +27,14 @@ def resolve_class(value: str | type, option: str) -> type:
     if not isinstance(cls, type):
         raise ValueError(f"{option} must be a class or 'package.module.ClassName', got {value!r}")
     return cls
+
+
+def get_open_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now ("" for every interface), for the
+    tensor-parallel ranks to meet at."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def host_memory_bytes() -> int | None:

@@ -11,13 +11,29 @@ that needs every worker.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 from minivllm.distributed import destroy_distributed_environment, destroy_model_parallel
 from minivllm.executor.uniproc_executor import UniProcExecutor
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.sequence import ExecuteModelRequest
+
+
+def _in_daemon_thread(fn, *args: Any) -> Future:
+    """fn(*args) in a daemon thread: one stuck in a collective whose peer
+    died never keeps the interpreter from exiting."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True, name="minivllm-driver-call").start()
+    return future
 
 
 class WorkerDiedError(RuntimeError):
@@ -33,13 +49,27 @@ class DistributedExecutor(UniProcExecutor):
         self._run_workers("init_device")
         self._run_workers("load_model")
 
-    def _run_workers(self, method: str, *args: Any) -> list[Any]:
-        """`method(*args)` on every worker, the driver's call in this thread;
-        their results by rank."""
+    def _call_workers(self, method: str, *args: Any) -> list[Future]:
+        """Start `method(*args)` on every worker but the driver."""
         raise NotImplementedError
 
+    def _run_workers(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every worker; their results by rank. The
+        driver's call runs in a thread of its own, so that a worker failing
+        (or dying) while the driver waits for it in a collective is reported
+        at once instead of when the collective times out."""
+        self.check_health()
+        self.stop_remote_worker_execution_loop()
+        futures = self._call_workers(method, *args)
+        futures.insert(0, _in_daemon_thread(getattr(self.driver_worker, method), *args))
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+        return [f.result() for f in futures]
+
     def _start_worker_execution_loop(self) -> list[Future]:
-        raise NotImplementedError
+        return self._call_workers("start_worker_execution_loop")
 
     def _worker_failure(self) -> str | None:
         """Which worker is gone and why, once one is."""

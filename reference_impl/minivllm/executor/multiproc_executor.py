@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
-import socket
 import sys
-import threading
 import weakref
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -23,28 +21,7 @@ from minivllm.executor.multiproc_worker_utils import (
     ResultHandler,
     WorkerMonitor,
 )
-
-
-def get_open_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _in_daemon_thread(fn, *args: Any) -> Future:
-    """fn(*args) in a daemon thread: one stuck in a collective whose peer
-    died never keeps the interpreter from exiting."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:  # noqa: BLE001 - handed to the caller
-            future.set_exception(error)
-
-    threading.Thread(target=run, daemon=True, name="minivllm-driver-call").start()
-    return future
-
+from minivllm.utils import get_open_port
 
 # Executors whose workers are running. At exit they are shut down before
 # multiprocessing's own exit hook (registered earlier, so run later) kills
@@ -95,22 +72,8 @@ class MultiprocessingExecutor(DistributedExecutor):
             self.shutdown()
             raise
 
-    def _run_workers(self, method: str, *args: Any) -> list[Any]:
-        """The driver's call runs in a thread of its own, so that a worker
-        failing (or dying) while the driver waits for it in a collective is
-        reported at once instead of when the collective times out."""
-        self.check_health()
-        self.stop_remote_worker_execution_loop()
-        futures = [w.execute_method(method, *args) for w in self.workers]
-        futures.insert(0, _in_daemon_thread(getattr(self.driver_worker, method), *args))
-        wait(futures, return_when=FIRST_EXCEPTION)
-        for future in futures:
-            if future.done() and future.exception() is not None:
-                raise future.exception()
-        return [f.result() for f in futures]
-
-    def _start_worker_execution_loop(self) -> list[Future]:
-        return [w.execute_method("start_worker_execution_loop") for w in self.workers]
+    def _call_workers(self, method: str, *args: Any) -> list[Future]:
+        return [w.execute_method(method, *args) for w in self.workers]
 
     def _worker_failure(self) -> str | None:
         return self.worker_monitor.failure

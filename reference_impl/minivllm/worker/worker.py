@@ -70,8 +70,9 @@ class Worker:
                 )
             return
         if self.device.type == "cuda":
-            # One GPU per rank on this machine: "cuda" means this rank's from here on.
-            torch.cuda.set_device(self.rank)
+            # One GPU per rank: "cuda" means this rank's from here on. (A Ray
+            # actor sees only the GPU Ray gave it; a worker process sees all.)
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
         init_distributed_environment(
             world_size, self.rank, self.distributed_init_method, self.rank,
             backend="nccl" if self.device.type == "cuda" else "gloo",
