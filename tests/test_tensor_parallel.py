@@ -19,7 +19,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.engine.llm_engine import EngineDeadError
 from minivllm.executor.distributed_executor import WorkerDiedError
 from minivllm.executor.multiproc_executor import MultiprocessingExecutor
-from tests.failing_worker import FailsInWorkers
+from tests.failing_worker import FailsInWorkers, LlamaThatFailsInWorkers
 from tests.hf_oracle import GREEDY as HF_GREEDY
 from tests.hf_oracle import assert_matches_hf, make_prompts
 from tools.tiny_models import make_tiny_model
@@ -144,10 +144,31 @@ def test_a_worker_that_fails_to_start_is_reported_with_its_rank(tiny_model_dir):
     assert _wait_until(lambda: _children() <= before)
 
 
+def test_registered_models_reach_the_workers(tiny_model_dir, monkeypatch):
+    """ModelRegistry.register_model in the engine's process holds in every
+    worker: rank 1 builds the registered class (which refuses to be built there)."""
+    from minivllm import ModelRegistry
+
+    monkeypatch.setattr(ModelRegistry, "_registered", {})
+    ModelRegistry.register_model("LlamaForCausalLM", LlamaThatFailsInWorkers)
+    assert ModelRegistry.resolve_model_cls("LlamaForCausalLM") is LlamaThatFailsInWorkers
+    with pytest.raises(RuntimeError, match="worker rank 1: RuntimeError: the registered model"):
+        LLM(tiny_model_dir("llama"), tensor_parallel_size=2, disable_log_stats=True)
+
+
 def _children() -> set[int]:
+    """This process's children, but multiprocessing's resource tracker (one
+    per process, started with the first queue, living until exit)."""
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass  # it ended while we looked
+    return pids
 
 
 def _wait_until(condition, timeout: float = 10.0) -> bool:

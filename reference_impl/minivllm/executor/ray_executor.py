@@ -13,6 +13,7 @@ from typing import Any
 
 from minivllm.executor.distributed_executor import DistributedExecutor
 from minivllm.executor.ray_utils import RayWorkerWrapper, initialize_ray_cluster, ray
+from minivllm.model_executor.models import ModelRegistry
 from minivllm.utils import get_open_port
 
 
@@ -45,6 +46,7 @@ class RayExecutor(DistributedExecutor):
                         rank,
                         (self.model_config, self.cache_config, self.device_config,
                          self.parallel_config, rank, init_method),
+                        ModelRegistry.registered(),
                     )
                 )
             self._init_workers(init_method)

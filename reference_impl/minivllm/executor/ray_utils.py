@@ -24,10 +24,14 @@ class RayWorkerWrapper:
     """An actor holding one rank's `Worker`, built on its first call (so a
     failure to build it is reported like any other call, with its rank)."""
 
-    def __init__(self, rank: int, worker_args: tuple) -> None:
+    def __init__(self, rank: int, worker_args: tuple, registered_models: dict) -> None:
+        from minivllm.model_executor.models import ModelRegistry
+
         self.rank = rank
         self.worker_args = worker_args
         self.worker = None
+        for architecture, model_cls in registered_models.items():
+            ModelRegistry.register_model(architecture, model_cls)
 
     def execute_method(self, method: str, *args: Any) -> Any:
         from minivllm.worker.worker import Worker
