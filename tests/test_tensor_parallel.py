@@ -108,6 +108,27 @@ def test_seeded_sampling_on_two_ranks_equals_one(tiny_model_dir, tp_llm):
     assert _tokens(tp_llm(path), prompts, params) == want
 
 
+def test_the_trace_records_the_layout_and_each_steps_collectives(tiny_model_dir, tmp_path,
+                                                                 tp_llm):
+    """Per decode step the driver broadcasts the step (an object, then 6
+    tensors), all-reduces the embedding and twice per layer (2 layers), and
+    gathers the logits: 13 collectives, each counted in the trace."""
+    from minivllm.tracer import load_trace
+
+    path = tmp_path / "tp.jsonl"
+    llm = tp_llm(tiny_model_dir("llama"), trace=str(path))
+    _tokens(llm, make_prompts(300)[:2])
+    llm.llm_engine.stop_trace()
+    trace = load_trace(str(path))  # every read checks the schema
+    assert trace.header["parallel_config"] == {
+        "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    decodes = [s for s in trace.steps if s["scheduled"] and not any(
+        e["is_prefill"] for e in s["scheduled"])]
+    assert decodes and all(s["collectives"]["calls"] == 1 + 6 + 1 + 2 * 2 + 1 for s in decodes)
+    # Two sequences' hidden states (64 float32 each) in every all-reduce, at least.
+    assert all(s["collectives"]["bytes"] >= 5 * 2 * 64 * 4 for s in decodes)
+
+
 def test_a_worker_killed_mid_run_is_reported_and_the_others_stop(tiny_model_dir):
     llm = LLM(tiny_model_dir("llama"), tensor_parallel_size=2, disable_log_stats=True)
     executor = llm.llm_engine.model_executor

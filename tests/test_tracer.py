@@ -470,7 +470,7 @@ def _rewrite(path: Path, out: Path, number: int, change) -> Path:
             r"request ids \['Z'\] have no request line",
         ),
         (4, lambda s: s.update(num_batched_tokens=99), "num_batched_tokens is not the sum"),
-        (1, lambda h: h.update(schema_version=2), "schema_version 2, this tracer reads version 1"),
+        (1, lambda h: h.update(schema_version=1), "schema_version 1, this tracer reads version 2"),
         (1, lambda h: h.update(type="step"), "a trace starts with its header line"),
         (4, lambda s: s["timings"].pop("execute_ms"), "step line: timings has no 'execute_ms'"),
         (4, lambda s: s.update(colour="red"), "step line has an unknown field 'colour'"),

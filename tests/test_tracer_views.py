@@ -424,8 +424,8 @@ def bad_traces(good: Path, out: Path) -> list[tuple[Path, str]]:
         "inf.jsonl": (_with_token(lines, "-Infinity"), ":4: the line has -Infinity"),
         "empty.jsonl": ([], ": not a trace: no header line (the file is empty)"),
         "v2.jsonl": (
-            _edit(lines, 1, lambda h: h.update(schema_version=2)),
-            ":1: schema_version 2, this tracer reads version 1",
+            _edit(lines, 1, lambda h: h.update(schema_version=1)),
+            ":1: schema_version 1, this tracer reads version 2",
         ),
     }
     cases = []

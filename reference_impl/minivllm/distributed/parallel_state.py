@@ -38,6 +38,12 @@ class CollectiveStats:
     bytes: int = 0  # tensor bytes this rank put into collectives
     seconds: float = 0.0
 
+    def __sub__(self, earlier: CollectiveStats) -> CollectiveStats:
+        """What was spent since `earlier` (a copy of these counters)."""
+        return CollectiveStats(
+            self.calls - earlier.calls, self.bytes - earlier.bytes, self.seconds - earlier.seconds
+        )
+
 
 @dataclass
 class GroupCoordinator:

@@ -27,6 +27,7 @@ by step observers come after the step is complete and leave it alive.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ from transformers import GenerationConfig
 from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.core.scheduler import Scheduler, SchedulerOutputs
+from minivllm.distributed import get_tp_group
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.metrics import StatLogger, Stats, build_stats
 from minivllm.engine.step_observer import StepObserver, StepRecord, queue_request_ids
@@ -410,6 +412,8 @@ class LLMEngine:
         start = time.perf_counter()
         seq_group_metadata_list, scheduler_outputs = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        collectives = get_tp_group().stats
+        before = dataclasses.replace(collectives)
         output = self._execute_model(seq_group_metadata_list, scheduler_outputs, with_batch=True)
         executed = time.perf_counter()
         samples: list[tuple[int, int, int]] = []
@@ -431,6 +435,7 @@ class LLMEngine:
             schedule_ms=(scheduled - start) * 1e3,
             execute_ms=(executed - scheduled) * 1e3,
             process_ms=(processed - executed) * 1e3,
+            collectives=None if get_tp_group().world_size == 1 else collectives - before,
         )
         return request_outputs, record
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from minivllm.core.scheduler import Scheduler, SchedulerOutputs
+from minivllm.distributed.parallel_state import CollectiveStats
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.outputs import RequestOutput
 from minivllm.sequence import SequenceGroup, SequenceGroupMetadata
@@ -51,6 +52,9 @@ class StepRecord:
     request_outputs: what `step()` returned.
     *_ms: wall time of the schedule, execute (block moves and the model)
         and process (new tokens, stop checks, frees, stats) phases.
+    collectives: with several tensor-parallel workers, the driver's
+        collectives during the execute phase (calls, bytes, seconds); None
+        with one worker.
     """
 
     queues_before: dict[str, list[str]]
@@ -63,6 +67,7 @@ class StepRecord:
     schedule_ms: float
     execute_ms: float
     process_ms: float
+    collectives: CollectiveStats | None = None
 
 
 class StepObserver(Protocol):

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # The format's version, the one number in Python: the tracer
 # (minivllm/tracer/schema.py) reads the version trace_schema.json names, and
 # tests/test_tracer.py checks that it is this one.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class TraceWriter:
@@ -139,7 +139,16 @@ class TraceWriter:
                 "execute_ms": record.execute_ms,
                 "process_ms": record.process_ms,
             },
+            "collectives": _collectives(record),
         }
+
+
+def _collectives(record: StepRecord) -> dict[str, Any] | None:
+    """The driver's collectives this step (several tensor-parallel workers only)."""
+    stats = record.collectives
+    if stats is None:
+        return None
+    return {"calls": stats.calls, "bytes": stats.bytes, "ms": stats.seconds * 1e3}
 
 
 def _dumps(line: dict[str, Any]) -> str:
@@ -167,6 +176,7 @@ def _finite(value: Any) -> Any:
 
 def _header(engine: LLMEngine) -> dict[str, Any]:
     model, cache, sched = engine.model_config, engine.cache_config, engine.scheduler_config
+    parallel = engine.engine_config.parallel_config
     mode = sched.preemption_mode
     return {
         "type": "header",
@@ -189,6 +199,10 @@ def _header(engine: LLMEngine) -> dict[str, Any]:
             "preemption_mode": None if mode is None else mode.value,
             "enable_chunked_prefill": sched.enable_chunked_prefill,
             "scheduling_policy": sched.scheduling_policy,
+        },
+        "parallel_config": {
+            "tensor_parallel_size": parallel.tensor_parallel_size,
+            "distributed_executor_backend": parallel.distributed_executor_backend,
         },
     }
 

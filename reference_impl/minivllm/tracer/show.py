@@ -192,6 +192,13 @@ def step_detail(trace: Trace, n: int) -> Group:
         style="bold",
     )
     parts: list[Any] = [title, _queues_table(step), _batch_table(step), _block_tables(trace, step)]
+    collectives = step["collectives"]
+    if collectives is not None:
+        parts.append(Text(
+            f"collectives (the driver, {trace.header['parallel_config']['tensor_parallel_size']} "
+            f"workers): {collectives['calls']} calls, {collectives['bytes'] / 1e3:.1f} KB, "
+            f"{collectives['ms']:.2f} ms"
+        ))
     happened = events(step)
     if happened:
         parts.append(Text("events: " + "; ".join(happened)))
