@@ -148,6 +148,32 @@ def test_sampler_applies_every_step_in_vllm_order():
             assert sample.output_token not in STOP_IDS
 
 
+def test_a_batch_that_truncates_nothing_skips_the_sort(monkeypatch):
+    """As vLLM's do_top_p_top_k / do_min_p: with every row greedy (whose
+    top-k, top-p and min-p SamplingParams resets) the vocabulary is never
+    sorted; one row with top_p < 1 brings the sort back, for the whole batch."""
+    from minivllm.model_executor.layers import sampler as sampler_module
+
+    called = []
+    for name in ("apply_top_k_top_p", "apply_min_p"):
+        real = getattr(sampler_module, name)
+        monkeypatch.setattr(sampler_module, name,
+                            lambda *a, _n=name, _f=real: called.append(_n) or _f(*a))
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5))
+
+    def run(*params):
+        groups = [SequenceGroupToSample([r], p, None, {r: SequenceData([1, 2], [])}, [], [r])
+                  for r, p in enumerate(params)]
+        return Sampler(seed=0)(logits, SamplingMetadata(groups, torch.arange(len(params))))
+
+    greedy = SamplingParams(temperature=0, top_p=0.5, min_p=0.2)  # reset: greedy
+    out = run(greedy, greedy)
+    assert called == []
+    assert [o.samples[0].output_token for o in out.outputs] == logits.argmax(-1).tolist()
+    run(greedy, SamplingParams(temperature=1.0, top_p=0.9, seed=1))
+    assert called == ["apply_top_k_top_p"]
+
+
 # -- min_tokens through the engine --------------------------------------------
 
 

@@ -269,15 +269,20 @@ class Sampler(nn.Module):
             1.0 if p.sampling_type == SamplingType.GREEDY else p.temperature for p in params
         ]
         logits = logits / per_row(temperatures).unsqueeze(-1)
-        logits = apply_top_k_top_p(
-            logits,
-            per_row(
-                [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
-                torch.long,
-            ),
-            per_row([p.top_p for p in params]),
-        )
-        return apply_min_p(logits, per_row([p.min_p for p in params]))
+        # As vLLM's `do_top_p_top_k` and `do_min_p`: a batch in which no row
+        # truncates (all greedy, say) skips the sort of the whole vocabulary.
+        if any(p.top_k != -1 or p.top_p < 1 for p in params):
+            logits = apply_top_k_top_p(
+                logits,
+                per_row(
+                    [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
+                    torch.long,
+                ),
+                per_row([p.top_p for p in params]),
+            )
+        if any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, per_row([p.min_p for p in params]))
+        return logits
 
     @staticmethod
     def _prompt_logprobs(
