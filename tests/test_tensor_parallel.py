@@ -129,7 +129,11 @@ def test_the_trace_records_the_layout_and_each_steps_collectives(tiny_model_dir,
     assert all(s["collectives"]["bytes"] >= 5 * 2 * 64 * 4 for s in decodes)
 
 
-def test_a_worker_killed_mid_run_is_reported_and_the_others_stop(tiny_model_dir):
+@pytest.mark.parametrize("monitor_first", [False, True], ids=["driver-first", "monitor-first"])
+def test_a_worker_killed_mid_run_is_reported_and_the_others_stop(tiny_model_dir, monitor_first):
+    """Either the driver's next collective fails on the closed connection
+    first, or the executor sees the process end before the next step: both
+    end in the same report, with no worker left and the group gone."""
     llm = LLM(tiny_model_dir("llama"), tensor_parallel_size=2, disable_log_stats=True)
     executor = llm.llm_engine.model_executor
     worker = executor.workers[0]
@@ -145,16 +149,54 @@ def test_a_worker_killed_mid_run_is_reported_and_the_others_stop(tiny_model_dir)
             if self.steps == 2:
                 os.kill(worker.process.pid, signal.SIGKILL)
                 worker.process.join()
+                if monitor_first:
+                    executor.worker_monitor.join(5)
 
     llm.llm_engine.add_step_observer(KillRank1())
-    with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) died unexpectedly"):
+    with pytest.raises(WorkerDiedError,
+                       match=r"worker rank 1 \(pid \d+\) died unexpectedly with exit code -9"):
         _tokens(llm, make_prompts(300)[:3])
     assert _workers_gone(executor)
     with pytest.raises(EngineDeadError, match="worker rank 1"):
         _tokens(llm, make_prompts(300)[:1])
-    # The process group is gone with it: a new engine starts in this process.
-    again = LLM(tiny_model_dir("llama"), tensor_parallel_size=2, disable_log_stats=True)
-    again.llm_engine.model_executor.shutdown()
+    _a_new_engine_starts_in_this_process(tiny_model_dir("llama"))
+
+
+def test_a_step_failing_on_the_driver_stops_the_workers(tiny_model_dir, monkeypatch):
+    """The driver's sampler raises after rank 1 has done its part of the
+    step: the engine is dead, its worker process is gone, and a new engine
+    forms a group of its own in this process."""
+    llm = LLM(tiny_model_dir("llama"), tensor_parallel_size=2, disable_log_stats=True)
+    executor = llm.llm_engine.model_executor
+
+    def broken_sampler(*args, **kwargs):
+        raise RuntimeError("injected sampler fault")
+
+    monkeypatch.setattr(executor.driver_worker.model_runner, "sampler", broken_sampler)
+    with pytest.raises(RuntimeError, match="injected sampler fault"):
+        _tokens(llm, make_prompts(300)[:2])
+    assert _wait_until(lambda: _workers_gone(executor))
+    with pytest.raises(EngineDeadError, match="injected sampler fault"):
+        _tokens(llm, make_prompts(300)[:1])
+    _a_new_engine_starts_in_this_process(tiny_model_dir("llama"))
+
+
+def test_a_second_engine_is_refused_while_one_holds_the_group(tiny_model_dir, tp_llm):
+    """One process, one group: a second engine (a notebook cell run twice)
+    is refused at once instead of waiting for a driver that never comes."""
+    first = tp_llm(tiny_model_dir("llama"))
+    for tp in (2, 1):
+        with pytest.raises(RuntimeError, match="another engine in this process runs with"):
+            LLM(tiny_model_dir("llama"), tensor_parallel_size=tp, disable_log_stats=True)
+    assert _tokens(first, make_prompts(300)[:1])  # the first one is unharmed
+
+
+def _a_new_engine_starts_in_this_process(path: str) -> None:
+    again = LLM(path, tensor_parallel_size=2, disable_log_stats=True)
+    try:
+        assert _tokens(again, make_prompts(300)[:1])
+    finally:
+        again.llm_engine.model_executor.shutdown()
 
 
 def test_a_worker_that_fails_to_start_is_reported_with_its_rank(tiny_model_dir):

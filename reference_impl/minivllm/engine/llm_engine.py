@@ -356,6 +356,9 @@ class LLMEngine:
                 request_outputs, record = self._plain_step(), None
         except BaseException as exc:  # KeyboardInterrupt half-way is no better
             self.dead_error = exc
+            # A dead engine needs no workers: stop any in other processes
+            # now, not when this object happens to be collected.
+            self.model_executor.shutdown()
             raise
         request_outputs = self._undelivered + request_outputs
         self._undelivered = []

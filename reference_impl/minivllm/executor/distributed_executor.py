@@ -42,6 +42,7 @@ class WorkerDiedError(RuntimeError):
 
 class DistributedExecutor(UniProcExecutor):
     parallel_worker_tasks: list[Future] | None = None
+    step_failed = False  # a step failed part-way: the workers cannot be stopped politely
 
     def _init_workers(self, distributed_init_method: str) -> None:
         """The driver here, then every worker joins the group and loads its shard."""
@@ -71,8 +72,10 @@ class DistributedExecutor(UniProcExecutor):
     def _start_worker_execution_loop(self) -> list[Future]:
         return self._call_workers("start_worker_execution_loop")
 
-    def _worker_failure(self) -> str | None:
-        """Which worker is gone and why, once one is."""
+    def _worker_failure(self, patience: float = 0.0) -> str | None:
+        """Which worker is gone and why, once one is. With `patience`, wait
+        that long for the news: the driver's collective can fail on the
+        closed connection before the executor has seen the process end."""
         raise NotImplementedError
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
@@ -85,16 +88,22 @@ class DistributedExecutor(UniProcExecutor):
         self._run_workers("initialize_cache", num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> SamplerOutput:
-        self.check_health()
-        if self.parallel_worker_tasks is None:
-            self.parallel_worker_tasks = self._start_worker_execution_loop()
         try:
+            self.check_health()
+            if self.parallel_worker_tasks is None:
+                self.parallel_worker_tasks = self._start_worker_execution_loop()
             return super().execute_model(execute_model_req)
-        except Exception as error:
-            failure = self._worker_failure()
+        except BaseException as error:
+            # The other ranks are somewhere inside this step, where no stop
+            # message reaches them: they are stopped by force and the group
+            # is left, so that nothing waits on a peer that will never come
+            # and a new engine can form a group of its own in this process.
+            failure = self._worker_failure(patience=1.0)
+            self.step_failed = True
+            self.parallel_worker_tasks = None
+            self.shutdown()
             if failure is None:
                 raise
-            self.shutdown()
             raise WorkerDiedError(f"{failure}; the engine has shut down its workers") from error
 
     def stop_remote_worker_execution_loop(self) -> None:

@@ -75,7 +75,9 @@ class MultiprocessingExecutor(DistributedExecutor):
     def _call_workers(self, method: str, *args: Any) -> list[Future]:
         return [w.execute_method(method, *args) for w in self.workers]
 
-    def _worker_failure(self) -> str | None:
+    def _worker_failure(self, patience: float = 0.0) -> str | None:
+        if self.worker_monitor.failure is None and patience:
+            self.worker_monitor.join(patience)  # it ends once it has handled a death
         return self.worker_monitor.failure
 
     def shutdown(self) -> None:
@@ -93,7 +95,7 @@ class MultiprocessingExecutor(DistributedExecutor):
             except Exception:  # noqa: BLE001 - shutting down regardless
                 pass
         for worker in self.workers:
-            worker.terminate()
+            worker.terminate(timeout=0 if self.step_failed else 5.0)
         self.result_handler.close()
         self._leave_group()
         torch.set_num_threads(self._threads_before)

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from multiprocessing.connection import wait
@@ -108,16 +109,26 @@ class WorkerMonitor(threading.Thread):
         if self.closing:
             return
         worker = sentinels[dead[0]]
-        worker.process.join()
         self.failure = (
             f"worker rank {worker.rank} (pid {worker.process.pid}) died unexpectedly "
-            f"with exit code {worker.process.exitcode}"
+            f"with exit code {_exit_code(worker.process)}"
         )
         logger.error("%s; stopping the other workers", self.failure)
         self.result_handler.fail_all(self.failure)
         for other in self.workers:
             if other is not worker:
                 other.terminate(timeout=1.0)
+
+
+def _exit_code(process, patience: float = 1.0) -> int | None:
+    """The exit code of a process that has exited. Another thread may be
+    reaping it at the same moment (a test that kills and joins it), and
+    until that thread has stored the code, `exitcode` still reads None."""
+    deadline = time.monotonic() + patience
+    process.join()
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process.exitcode
 
 
 def _exit_with_parent() -> None:

@@ -8,7 +8,7 @@ address: 127.0.0.1 when the cluster is this machine alone.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 from minivllm.executor.distributed_executor import DistributedExecutor
@@ -61,7 +61,9 @@ class RayExecutor(DistributedExecutor):
         self._loop_futures = super()._start_worker_execution_loop()
         return self._loop_futures
 
-    def _worker_failure(self) -> str | None:
+    def _worker_failure(self, patience: float = 0.0) -> str | None:
+        if patience and self._loop_futures:
+            wait(self._loop_futures, timeout=patience, return_when=FIRST_EXCEPTION)
         for rank, future in enumerate(self._loop_futures, start=1):
             if future.done() and future.exception() is not None:
                 return f"worker rank {rank} (a Ray actor) failed: {future.exception()}"

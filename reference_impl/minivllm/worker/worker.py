@@ -62,12 +62,14 @@ class Worker:
         """Join the tensor-parallel group (gloo on CPU, NCCL on GPU). One
         worker alone creates no process group."""
         world_size = self.parallel_config.world_size
+        if model_parallel_is_initialized():
+            # One process, one group: joining the old one would leave the new
+            # ranks waiting for a driver that never comes.
+            raise RuntimeError(
+                "another engine in this process runs with tensor parallelism; shut it down "
+                "(llm.llm_engine.model_executor.shutdown()) before starting a new one"
+            )
         if world_size == 1:
-            if model_parallel_is_initialized():
-                raise RuntimeError(
-                    "another engine in this process runs with tensor parallelism; shut it down "
-                    "(llm.llm_engine.model_executor.shutdown()) before starting one without"
-                )
             return
         if self.device.type == "cuda":
             # One GPU per rank: "cuda" means this rank's from here on. (A Ray
