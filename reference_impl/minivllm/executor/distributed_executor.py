@@ -120,5 +120,8 @@ class DistributedExecutor(UniProcExecutor):
             raise WorkerDiedError(failure)
 
     def _leave_group(self) -> None:
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        """Leave the group, if the driver got as far as joining one: an
+        engine refused for finding another's group must not break it."""
+        if getattr(self, "driver_worker", None) is not None and self.driver_worker.in_group:
+            destroy_model_parallel()
+            destroy_distributed_environment()

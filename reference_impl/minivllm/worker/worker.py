@@ -57,6 +57,7 @@ class Worker:
         self.device = device_config.torch_device
         self.model_runner = ModelRunner(model_config, cache_config, device_config)
         self.cache_engine: CacheEngine | None = None
+        self.in_group = False  # whether this worker formed (or joins) the process's group
 
     def init_device(self) -> None:
         """Join the tensor-parallel group (gloo on CPU, NCCL on GPU). One
@@ -71,6 +72,7 @@ class Worker:
             )
         if world_size == 1:
             return
+        self.in_group = True
         if self.device.type == "cuda":
             # One GPU per rank: "cuda" means this rank's from here on. (A Ray
             # actor sees only the GPU Ray gave it; a worker process sees all.)
