@@ -607,7 +607,7 @@ def engine_qkv_shard(q, k, v, tp_rank, tp_size, num_heads, num_kv_heads, head_si
     return layer.weight.data
 
 
-def _heads(t: torch.Tensor, head_size: int) -> list[str]:
+def heads_of(t: torch.Tensor, head_size: int) -> list[str]:
     """Which checkpoint heads a shard's row blocks are (by their labels)."""
     names = []
     for start in range(0, t.shape[0], head_size):
@@ -645,7 +645,7 @@ def exercise_3(qkv_shard) -> None:
                        "num_kv_heads / tp KV heads, concatenated [q; k; v] along dim 0.")
                 )
             if not torch.equal(got, want):
-                yours, expected = _heads(got, QKV_HEAD), _heads(want, QKV_HEAD)
+                yours, expected = heads_of(got, QKV_HEAD), heads_of(want, QKV_HEAD)
                 detail = ("the right heads, but rows or columns inside them moved"
                           if yours == expected else f"yours holds heads {yours}")
                 if yours != expected and kv_heads < tp:
