@@ -96,7 +96,7 @@ def reference_collectives(num_layers: int, hidden_size: int, vocab_size: int, ba
 
 # Made-up configurations: (num_layers, hidden_size, vocab_size, batch, tp).
 _CONFIGS = [
-    (2, 64, 1000, 2, 2),  # 1000 pads to 1024: the padding shows
+    (2, 64, 1000, 3, 4),  # 1000 pads to 1024: the padding shows; batch, tp, 4 bytes all differ
     (32, 4096, 32000, 8, 4),  # Llama-2-7B's shapes
     (80, 8192, 32000, 1, 8),
     (3, 48, 128, 5, 2),
@@ -109,7 +109,7 @@ def _ex1_hint(key: str, got: int, want: int, cfg: tuple[int, ...]) -> str:
     if tp == 1:
         return ("with one worker there is no process group and no collective at all: every "
                 "count and every byte is 0.")
-    if got == want * tp:
+    if key.endswith("_calls") and got == want * tp:
         return ("you counted every rank's collectives: a step's count is what one rank (the "
                 "driver, whose counters the engine reads) takes part in; every rank joins the "
                 "same collectives, so multiplying by tp counts each one tp times.")
@@ -412,8 +412,8 @@ def _diagnose_forward(got: np.ndarray, name: str, rank: int, calls: int) -> str:
         return ("all_reduce sums, it does not average: do not divide by the number of ranks.")
     if close(full):
         return "the bias is missing: add it once (rank 0 before the all-reduce, or after it)."
-    if calls > 1:
-        return (f"all_reduce ran {calls} times for two calls of the layer: one per forward, on "
+    if calls > 2:
+        return (f"all_reduce ran {calls} times for two calls of the layer: once per forward, on "
                 "the partial product.")
     return ("the result is not X W^T + b: multiply the rank's input slice by its weight slice "
             "(F.linear(x, weight)), sum over the ranks, add the bias once.")
@@ -632,7 +632,8 @@ def exercise_3(qkv_shard) -> None:
                 hint = (f"with fewer KV heads than ranks, each KV head is replicated on "
                         f"tp / num_kv_heads = {tp // kv_heads} consecutive ranks: rank r holds "
                         "KV head r // (tp / num_kv_heads).")
-            with learner_code(what, hint or "each rank takes whole heads of q, k and v."):
+            with learner_code(f"Day {DAY}, exercise 3: {what},",
+                              hint or "each rank takes whole heads of q, k and v."):
                 got = qkv_shard(q.clone(), k.clone(), v.clone(), rank, tp, heads, kv_heads,
                                 QKV_HEAD)
             if not isinstance(got, torch.Tensor) or got.shape != want.shape:
@@ -648,7 +649,10 @@ def exercise_3(qkv_shard) -> None:
                 yours, expected = heads_of(got, QKV_HEAD), heads_of(want, QKV_HEAD)
                 detail = ("the right heads, but rows or columns inside them moved"
                           if yours == expected else f"yours holds heads {yours}")
-                if yours != expected and kv_heads < tp:
+                if sorted(yours) == sorted(expected) and yours != expected:
+                    tip = ("the right heads in the wrong order: the fused weight is [q; k; v], "
+                           "in that order (the model splits the output that way).")
+                elif yours != expected and kv_heads < tp:
                     tip = hint + (" (rank % num_kv_heads spreads them round-robin instead.)"
                                   if yours[-1] == f"v{rank % kv_heads}" else "")
                 elif yours != expected and any(name[0] != e[0] for name, e in
