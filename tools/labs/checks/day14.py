@@ -307,14 +307,18 @@ def _source(fn) -> str:
 
 
 @contextlib.contextmanager
-def learner_module(*fns, footer: str = ""):
-    """The functions' source in a fresh module (plus `footer`), in a
+def learner_module(fns: dict[str, Any], footer: str = ""):
+    """The functions' source in a fresh module, each also bound to the name
+    `fns` gives it (a learner may call theirs anything), plus `footer`, in a
     temporary folder on sys.path, so a spawned process can import it; the
     module's name. The functions must be self-contained: only torch, F and
     math are imported for them."""
     name = f"day14_yours_{uuid.uuid4().hex[:12]}"
     folder = tempfile.mkdtemp(prefix="day14-")
-    text = _HEADER + "\n\n".join(_source(fn) for fn in fns) + "\n" + footer
+    aliases = "".join(f"{alias} = {fn.__name__}\n" for alias, fn in fns.items()
+                      if alias != fn.__name__)
+    text = (_HEADER + "\n\n".join(_source(fn) for fn in fns.values()) + "\n\n" + aliases
+            + footer)
     with open(os.path.join(folder, name + ".py"), "w") as f:
         f.write(text)
     sys.path.insert(0, folder)
@@ -371,6 +375,12 @@ def _check_row_shard(row_shard) -> None:
                 )
 
 
+def _yours(row_shard, row_parallel_linear) -> dict[str, Any]:
+    if row_shard.__name__ == row_parallel_linear.__name__:
+        raise AssertionError(f"Day {DAY}, exercise 2: give your two functions different names.")
+    return {"row_shard": row_shard, "row_parallel_linear": row_parallel_linear}
+
+
 def _row_rank(rank: int, module_name: str) -> dict[str, Any]:
     """On one of two real ranks: the learner's shard and forward on the
     made-up layer, with and without a bias."""
@@ -423,7 +433,7 @@ def _check_row_on_ranks(row_shard, row_parallel_linear) -> None:
     x, w, b = _row_inputs()
     want = {"bias": F.linear(x, w, b).double().numpy(),
             "no_bias": F.linear(x, w).double().numpy()}
-    with learner_module(row_shard, row_parallel_linear) as module:
+    with learner_module(_yours(row_shard, row_parallel_linear)) as module:
         try:
             results = run_ranks(_row_rank, module)
         except AssertionError as error:
@@ -533,7 +543,7 @@ def run_in_engine(architecture: str, model_cls: type, prompts=tuple(PROMPTS)) ->
 
 def _check_row_in_engine(row_shard, row_parallel_linear) -> None:
     want = one_worker_tokens()
-    with learner_module(row_shard, row_parallel_linear, footer=_ENGINE_FOOTER) as module:
+    with learner_module(_yours(row_shard, row_parallel_linear), _ENGINE_FOOTER) as module:
         model_cls = importlib.import_module(module).LlamaWithYourRowParallel
         architecture = "Day14LlamaWithYourRowParallel"
         try:
