@@ -247,10 +247,24 @@ def test_exercise_3_rejects(mistake, message):
         day14.exercise_3(lambda *args: _qkv(*args, **mistake))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer", [_qkv, _qkv_alternative])
 def test_exercise_3_passes(answer, capsys):
     day14.exercise_3(answer)
     assert capsys.readouterr().out == "Day 14, exercise 3: passed\n"
+    assert not [a for a in ModelRegistry.registered() if a.startswith("Day14")]
+
+
+def _qkv_via_a_helper(q, k, v, tp_rank, tp_size, num_heads, num_kv_heads, head_size):
+    return _qkv(q, k, v, tp_rank, tp_size, num_heads, num_kv_heads, head_size)
+
+
+@pytest.mark.slow
+def test_exercise_3_in_the_engine_needs_a_self_contained_function():
+    """Right on every made-up layout, but it calls a helper the engine's
+    copy of its source does not have."""
+    with pytest.raises(AssertionError, match="use only torch, F and math"):
+        day14.exercise_3(_qkv_via_a_helper)
 
 
 def test_exercise_3_names_a_crash_in_the_learners_code():

@@ -23,6 +23,7 @@ import importlib
 import inspect
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -503,18 +504,31 @@ _ENGINE_FOOTER = (
 
 
 @contextlib.contextmanager
-def model_with_architecture(architecture: str):
-    """A copy of the shipped model whose config names `architecture`."""
+def model_with_architecture(architecture: str, kv_heads: int | None = None):
+    """A copy of the shipped model whose config names `architecture`; with
+    `kv_heads`, cut down to its first `kv_heads` KV heads (a different,
+    smaller model, the same for every worker count)."""
     import json
+
+    from safetensors.torch import load_file, save_file
 
     folder = tempfile.mkdtemp(prefix="day14-model-")
     try:
+        changed = {"config.json"} | ({"model.safetensors"} if kv_heads else set())
         for name in os.listdir(DEFAULT_MODEL):
-            if name != "config.json":
+            if name not in changed:
                 os.symlink(os.path.join(DEFAULT_MODEL, name), os.path.join(folder, name))
         with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
             config = json.load(f)
         config["architectures"] = [architecture]
+        if kv_heads:
+            rows = kv_heads * config["head_dim"]
+            config["num_key_value_heads"] = kv_heads
+            weights = load_file(os.path.join(DEFAULT_MODEL, "model.safetensors"))
+            weights = {name: (t[:rows].contiguous() if name.endswith(("k_proj.weight",
+                                                                        "v_proj.weight")) else t)
+                       for name, t in weights.items()}
+            save_file(weights, os.path.join(folder, "model.safetensors"))
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(config, f)
         yield folder
@@ -522,12 +536,13 @@ def model_with_architecture(architecture: str):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_in_engine(architecture: str, model_cls: type, prompts=tuple(PROMPTS)) -> tuple:
+def run_in_engine(architecture: str, model_cls: type, prompts=tuple(PROMPTS),
+                  kv_heads: int | None = None) -> tuple:
     """Greedy tokens of a 2-rank engine that builds `model_cls` (registered
     under `architecture`, which reaches the worker process); the driver's model."""
     ModelRegistry.register_model(architecture, model_cls)
     try:
-        with model_with_architecture(architecture) as path, quiet_engine():
+        with model_with_architecture(architecture, kv_heads) as path, quiet_engine():
             llm = LLM(path, tensor_parallel_size=2, disable_log_stats=True)
             try:
                 model = llm.llm_engine.worker.model_runner.model
@@ -630,7 +645,9 @@ def heads_of(t: torch.Tensor, head_size: int) -> list[str]:
 def exercise_3(qkv_shard) -> None:
     """`qkv_shard(q, k, v, tp_rank, tp_size, num_heads, num_kv_heads,
     head_size)` against the engine's own `QKVParallelLinear.weight_loader`,
-    for every rank of plain, grouped-query and replicated layouts."""
+    for every rank of plain, grouped-query and replicated layouts; then
+    loading every layer of a real 2-rank engine whose one KV head is
+    replicated on both ranks."""
     for heads, kv_heads, tp in QKV_CASES:
         q, k, v = labelled_qkv(heads, kv_heads)
         for rank in range(tp):
@@ -677,7 +694,75 @@ def exercise_3(qkv_shard) -> None:
                     f"Day {DAY}, exercise 3: {what}: the engine's shard holds heads {expected} "
                     f"(q0 = query head 0, k0 = KV head 0's key, ...); {detail}.\nHint: {tip}"
                 )
+    _check_qkv_in_engine(qkv_shard)
     passed(DAY, 3)
+
+
+class _LearnerQKV:
+    """A Llama that loads its q/k/v projections through the learner's
+    `qkv_shard` (after the engine's own loading, which it overwrites)."""
+
+    qkv_shard = None
+
+    def load_weights(self, weights):
+        weights = list(weights)
+        LlamaForCausalLM.load_weights(self, weights)
+        parts: dict[int, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            match = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight", name)
+            if match:
+                parts.setdefault(int(match[1]), {})[match[2]] = tensor
+        for index, part in parts.items():
+            attn = self.model.layers[index].self_attn
+            qkv = attn.qkv_proj
+            shard = type(self).qkv_shard(part["q"], part["k"], part["v"], qkv.tp_rank,
+                                         qkv.tp_size, attn.total_num_heads,
+                                         attn.total_num_kv_heads, attn.head_size)
+            default_weight_loader(qkv.weight, shard)
+
+
+def llama_with_qkv(module_name: str, qkv_shard) -> type:
+    """A Llama loading q/k/v with the learner's function, named as if the
+    learner's module defined it (the worker process imports it from there)."""
+    return type("LlamaWithYourQKV", (_LearnerQKV, LlamaForCausalLM),
+                {"qkv_shard": staticmethod(qkv_shard), "__module__": module_name})
+
+
+_QKV_FOOTER = (
+    "from tools.labs.checks.day14 import llama_with_qkv\n\n"
+    "LlamaWithYourQKV = llama_with_qkv(__name__, qkv_shard)\n"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def one_kv_head_tokens() -> tuple[tuple[int, ...], ...]:
+    """One worker's greedy tokens on the shipped model cut to 1 KV head."""
+    with model_with_architecture("LlamaForCausalLM", kv_heads=1) as path, quiet_engine():
+        outs = LLM(path, disable_log_stats=True).generate(PROMPTS, GREEDY, use_tqdm=False)
+    return tuple(tuple(o.outputs[0].token_ids) for o in outs)
+
+
+def _check_qkv_in_engine(qkv_shard) -> None:
+    """The shipped model cut to 1 KV head, on 2 ranks: both hold a replica."""
+    want = one_kv_head_tokens()
+    with learner_module({"qkv_shard": qkv_shard}, _QKV_FOOTER) as module:
+        model_cls = importlib.import_module(module).LlamaWithYourQKV
+        try:
+            got, _ = run_in_engine("Day14LlamaWithYourQKV", model_cls, kv_heads=1)
+        except (NotImplementedError, AssertionError):
+            raise
+        except Exception as error:  # noqa: BLE001 - reported to the learner
+            raise AssertionError(
+                f"Day {DAY}, exercise 3: the 2-rank engine loading q/k/v with your qkv_shard "
+                f"raised {type(error).__name__}: {error}, {where_it_failed(error)}.\nHint: it "
+                "runs in the other rank's process from its source: use only torch, F and math "
+                "inside it."
+            ) from error
+    assert got == want, (
+        f"Day {DAY}, exercise 3: with your qkv_shard loading every layer, a 2-rank engine "
+        "(the shipped model cut to 1 KV head, so both ranks hold a replica) generates other "
+        f"tokens than one worker.\n  one worker: {list(want)}\n  yours:      {list(got)}"
+    )
 
 
 # -- exercise 4: the communication share of a step --------------------------------------
