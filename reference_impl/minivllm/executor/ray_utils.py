@@ -8,6 +8,7 @@ workers are Ray actors wrapping an ordinary `Worker`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from minivllm.config import ParallelConfig
@@ -27,6 +28,9 @@ class RayWorkerWrapper:
     def __init__(self, rank: int, worker_args: tuple, registered_models: dict) -> None:
         from minivllm.model_executor.models import ModelRegistry
 
+        # Ray gives the actor its cores' worth of OpenMP threads
+        # (OMP_NUM_THREADS); Numba's pool, started later, gets as many.
+        os.environ["NUMBA_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
         self.rank = rank
         self.worker_args = worker_args
         self.worker = None

@@ -7,6 +7,7 @@ blocks instead of gathering a padded copy first.
 
 from __future__ import annotations
 
+import numba
 import torch
 
 from minivllm.attention.backends.abstract import AttentionImpl
@@ -24,6 +25,11 @@ class NumbaPagedAttention(TorchPagedAttention):
         max_seq_len: int,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
         out = torch.empty_like(query)
+        # The kernel's threads follow torch's: an executor that gives each
+        # tensor-parallel rank its share of the cores (torch.set_num_threads)
+        # then limits this kernel too, instead of every rank's threads
+        # spinning on all the cores (tp=2 on 2 cores: 2-3x slower steps).
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
         # .numpy() shares memory with the CPU tensors: no copies.
         paged_attention_decode(
             out.numpy(),
