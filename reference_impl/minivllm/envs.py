@@ -22,6 +22,14 @@ And one that is not ours (vLLM's list has such too, CUDA_HOME for one):
 
 - CXX: the host C++ compiler the CUDA emulator builds kernels with
   (cuda_emu/; default g++).
+
+And one minivllm sets, for a library to read (`set_numba_num_threads`):
+
+- NUMBA_NUM_THREADS: the size of Numba's thread pool, set in each
+  tensor-parallel worker process (executor/multiproc_worker_utils.py,
+  executor/ray_utils.py) to the rank's share of the cores before Numba
+  starts the pool, whose idle threads would otherwise spin on the cores of
+  the other ranks.
 """
 
 from __future__ import annotations
@@ -45,3 +53,8 @@ def __getattr__(name: str) -> str | None:
 
 def __dir__() -> list[str]:
     return list(ENVIRONMENT_VARIABLES)
+
+
+def set_numba_num_threads(num_threads: int) -> None:
+    """Size Numba's thread pool for this process; only before it starts."""
+    os.environ["NUMBA_NUM_THREADS"] = str(num_threads)

@@ -139,9 +139,9 @@ def _exit_with_parent() -> None:
 
 def _run_worker_process(rank: int, worker_args: tuple, registered_models: dict,
                         num_threads: int, tasks, results) -> None:
-    # Before Numba starts its thread pool: one thread per core this rank
-    # owns, or idle pool threads spin on the cores the other ranks use.
-    os.environ["NUMBA_NUM_THREADS"] = str(num_threads)
+    from minivllm import envs
+
+    envs.set_numba_num_threads(num_threads)  # before Numba starts its pool
     import torch
 
     from minivllm.model_executor.models import ModelRegistry

@@ -8,7 +8,6 @@ workers are Ray actors wrapping an ordinary `Worker`.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from minivllm.config import ParallelConfig
@@ -26,11 +25,14 @@ class RayWorkerWrapper:
     failure to build it is reported like any other call, with its rank)."""
 
     def __init__(self, rank: int, worker_args: tuple, registered_models: dict) -> None:
+        import torch
+
+        from minivllm import envs
         from minivllm.model_executor.models import ModelRegistry
 
-        # Ray gives the actor its cores' worth of OpenMP threads
-        # (OMP_NUM_THREADS); Numba's pool, started later, gets as many.
-        os.environ["NUMBA_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        # Ray sets the actor's OpenMP threads (so torch's) to its cores;
+        # Numba's pool, started later, gets as many.
+        envs.set_numba_num_threads(torch.get_num_threads())
         self.rank = rank
         self.worker_args = worker_args
         self.worker = None
