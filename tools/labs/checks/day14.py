@@ -46,7 +46,7 @@ from minivllm.model_executor.models.llama import LlamaForCausalLM
 from minivllm.model_executor.weight_utils import default_weight_loader
 from minivllm.tracer.trace import Trace
 from tools.labs.checks._common import needs, passed  # noqa: F401 - needs: for the notebook
-from tools.labs.checks._engine_runs import learner_code, quiet_engine, where_it_failed
+from tools.labs.checks._engine_runs import learner_code, quiet_engine
 from tools.labs.distributed import run_ranks
 
 DAY = 14
@@ -560,16 +560,9 @@ def _check_row_in_engine(row_shard, row_parallel_linear) -> None:
     want = one_worker_tokens()
     with learner_module(_yours(row_shard, row_parallel_linear), _ENGINE_FOOTER) as module:
         model_cls = importlib.import_module(module).LlamaWithYourRowParallel
-        architecture = "Day14LlamaWithYourRowParallel"
-        try:
-            got, model = run_in_engine(architecture, model_cls)
-        except (NotImplementedError, AssertionError):
-            raise
-        except Exception as error:  # noqa: BLE001 - reported to the learner
-            raise AssertionError(
-                f"Day {DAY}, exercise 2: the 2-rank engine with your row-parallel layer raised "
-                f"{type(error).__name__}: {error}, {where_it_failed(error)}."
-            ) from error
+        with learner_code(f"Day {DAY}, exercise 2: the 2-rank engine with your row-parallel "
+                          "layer"):
+            got, model = run_in_engine("Day14LlamaWithYourRowParallel", model_cls)
     used = type(model.model.layers[0].mlp.down_proj).__name__
     assert used == "YourRowParallelLinear", f"the engine should have used your layer, not {used}"
     assert got == want, (
@@ -747,17 +740,12 @@ def _check_qkv_in_engine(qkv_shard) -> None:
     want = one_kv_head_tokens()
     with learner_module({"qkv_shard": qkv_shard}, _QKV_FOOTER) as module:
         model_cls = importlib.import_module(module).LlamaWithYourQKV
-        try:
+        with learner_code(
+            f"Day {DAY}, exercise 3: the 2-rank engine loading q/k/v with your qkv_shard",
+            "it runs in the other rank's process from its source: use only torch, F and math "
+            "inside it.",
+        ):
             got, _ = run_in_engine("Day14LlamaWithYourQKV", model_cls, kv_heads=1)
-        except (NotImplementedError, AssertionError):
-            raise
-        except Exception as error:  # noqa: BLE001 - reported to the learner
-            raise AssertionError(
-                f"Day {DAY}, exercise 3: the 2-rank engine loading q/k/v with your qkv_shard "
-                f"raised {type(error).__name__}: {error}, {where_it_failed(error)}.\nHint: it "
-                "runs in the other rank's process from its source: use only torch, F and math "
-                "inside it."
-            ) from error
     assert got == want, (
         f"Day {DAY}, exercise 3: with your qkv_shard loading every layer, a 2-rank engine "
         "(the shipped model cut to 1 KV head, so both ranks hold a replica) generates other "
