@@ -44,7 +44,7 @@ def test_every_option_is_a_flag_of_its_type():
         "--scheduler-cls", "tests.engine_spies.RecordingScheduler", "--no-disable-log-stats",
         "--tokenizer", "/tok", "--trust-remote-code", "--block-manager-cls", "a.B",
         "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-        "--no-enforce-eager",
+        "--no-enforce-eager", "--use-v1",
     ]
     args = EngineArgs.from_cli_args(parser().parse_args(argv))
     given = {a.lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a[:2] == "--"}
@@ -57,7 +57,7 @@ def test_every_option_is_a_flag_of_its_type():
         max_num_batched_tokens=64, preemption_mode="swap", enable_chunked_prefill=True,
         scheduling_policy="priority", scheduler_cls="tests.engine_spies.RecordingScheduler",
         block_manager_cls="a.B", disable_log_stats=False, tensor_parallel_size=2,
-        distributed_executor_backend="ray", enforce_eager=False,
+        distributed_executor_backend="ray", enforce_eager=False, use_v1=True,
     )
 
 
@@ -76,12 +76,46 @@ def test_option_defaults_are_the_configs_defaults():
     that owns the option (device included: it used to differ)."""
     owners = [ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig]
     defaults, checked = EngineArgs(), {"model"}  # no default model: the shipped one
+    # These depend on the engine (None: on with V1, the config's default,
+    # off, with the classic engine): checked in the next test.
+    checked |= {"enable_prefix_caching", "enable_chunked_prefill"}
     for config in owners:  # the first config to hold a name owns it
         for f in dataclasses.fields(config):
             if f.init and hasattr(defaults, f.name) and f.name not in checked:
                 assert getattr(defaults, f.name) == f.default, (config.__name__, f.name)
                 checked.add(f.name)
     assert len(checked) > 20
+
+
+@pytest.mark.parametrize("use_v1", [False, True])
+def test_engine_dependent_defaults(tiny_model_dir, monkeypatch, use_v1):
+    """Classic: prefix caching and chunked prefill off (the configs'
+    defaults); V1: both on, 8192 tokens a step, as vLLM V1."""
+    monkeypatch.delenv("MINIVLLM_USE_V1", raising=False)
+    config = EngineArgs(model=tiny_model_dir("llama"), use_v1=use_v1).create_engine_config()
+    assert config.use_v1 is use_v1
+    assert config.cache_config.enable_prefix_caching is use_v1
+    assert config.scheduler_config.enable_chunked_prefill is use_v1
+    if use_v1:
+        assert config.scheduler_config.max_num_batched_tokens == 8192
+    else:
+        assert not CacheConfig.enable_prefix_caching and not SchedulerConfig.enable_chunked_prefill
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])
+def test_minivllm_use_v1_selects_the_engine(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("MINIVLLM_USE_V1", raising=False)
+    else:
+        monkeypatch.setenv("MINIVLLM_USE_V1", value)
+    assert EngineArgs().resolve_use_v1() is expected
+    assert EngineArgs(use_v1=not expected).resolve_use_v1() is (not expected)  # the option wins
+
+
+def test_a_bad_minivllm_use_v1_is_refused(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_USE_V1", "yes")
+    with pytest.raises(ValueError, match="MINIVLLM_USE_V1 must be 0 or 1, got 'yes'"):
+        EngineArgs().resolve_use_v1()
 
 
 def test_a_flag_reaches_the_engine(tiny_model_dir):
@@ -116,7 +150,7 @@ def test_every_environment_variable_is_named_in_envs_only():
     mentioned, readers = set(), []
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
-        mentioned |= set(re.findall(r"\bMINIVLLM_[A-Z_]+\b", text))
+        mentioned |= set(re.findall(r"\bMINIVLLM_[A-Z0-9_]+\b", text))
         if path.name != "envs.py" and reads_environment(ast.parse(text)):
             readers.append(str(path.relative_to(PACKAGE)))
     assert mentioned == {name for name in envs.ENVIRONMENT_VARIABLES if "MINIVLLM_" in name}

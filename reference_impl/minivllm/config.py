@@ -412,6 +412,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    use_v1: bool = False  # which engine runs them (EngineArgs.resolve_use_v1)
 
 
 def default_cpu_kv_cache_bytes() -> int:

@@ -17,6 +17,10 @@ code that uses it checks it and names the variable when it is wrong.
   reads VLLM_CPU_KVCACHE_SPACE.
 - MINIVLLM_TRACE: a JSON Lines path; every engine writes its trace there
   (engine/trace_writer.py, minivllm/tracer/), as if given `trace=PATH`.
+- MINIVLLM_USE_V1: "1" runs the V1 engine (minivllm/v1/) wherever no
+  `use_v1` option is given, "0" or unset the classic one
+  (engine/arg_utils.py). vLLM's twin was VLLM_USE_V1, until V1 became
+  the only engine.
 
 And one that is not ours (vLLM's list has such too, CUDA_HOME for one):
 
@@ -41,6 +45,7 @@ ENVIRONMENT_VARIABLES = (
     "MINIVLLM_ATTENTION_BACKEND",
     "MINIVLLM_CPU_KVCACHE_SPACE",
     "MINIVLLM_TRACE",
+    "MINIVLLM_USE_V1",
     "CXX",
 )
 

@@ -37,6 +37,11 @@ def get_open_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up (vLLM's `cdiv`): e.g. the blocks that hold a tokens."""
+    return -(-a // b)
+
+
 def host_memory_bytes() -> int | None:
     """This machine's physical memory in bytes (None where the OS does not say)."""
     try:

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm import envs
 from minivllm.assets import DEFAULT_MODEL
 from minivllm.config import (
     CacheConfig,
@@ -20,7 +21,7 @@ from minivllm.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from minivllm.utils import check_bool
+from minivllm.utils import check_bool, is_int
 
 # The command-line type of each option's annotation (classes come by name).
 _CLI_TYPES = {
@@ -86,23 +87,26 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _option(
         CacheConfig.num_gpu_blocks_override, "device blocks, whatever the memory budget"
     )
-    enable_prefix_caching: bool = _option(
-        CacheConfig.enable_prefix_caching, "share the KV blocks of common prompt prefixes"
+    enable_prefix_caching: bool | None = _option(
+        None,
+        "share the KV blocks of common prompt prefixes (default: on with V1, off with the "
+        "classic engine)",
     )
     # Scheduler
     max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "most sequences in one step")
     max_num_batched_tokens: int | None = _option(
         SchedulerConfig.max_num_batched_tokens,
-        "most tokens in one step (default: 512 with chunked prefill, else max(max_model_len, "
-        "2048))",
+        "most tokens in one step (default: with V1 8192; classic: 512 with chunked prefill, "
+        "else max(max_model_len, 2048))",
     )
     preemption_mode: str | None = _option(
         SchedulerConfig.preemption_mode,
         "how to preempt (default: recompute one sequence, swap several)",
         choices=["recompute", "swap"],
     )
-    enable_chunked_prefill: bool = _option(
-        SchedulerConfig.enable_chunked_prefill, "split long prompts across steps"
+    enable_chunked_prefill: bool | None = _option(
+        None,
+        "split long prompts across steps (default: on with V1, off with the classic engine)",
     )
     scheduling_policy: str = _option(
         SchedulerConfig.scheduling_policy,
@@ -127,6 +131,11 @@ class EngineArgs:
         "ray if ray.init() was called)",
         choices=["mp", "ray"],
     )
+    use_v1: bool | None = _option(
+        None,
+        "run vLLM's V1 engine (minivllm/v1/) instead of the classic one (default: "
+        "$MINIVLLM_USE_V1, else off)",
+    )
     # Accepted so vLLM code runs unchanged; minivllm always runs eagerly.
     enforce_eager: bool = _option(True, "accepted for vLLM's sake; minivllm always runs eagerly")
 
@@ -143,7 +152,7 @@ class EngineArgs:
             help_text = f.metadata["help"]
             if "default" not in help_text:
                 help_text += f" (default: {default})"
-            if f.type == "bool":
+            if f.type in ("bool", "bool | None"):
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
                 )
@@ -169,12 +178,38 @@ class EngineArgs:
             )
         return cls(**kwargs)
 
+    def resolve_use_v1(self) -> bool:
+        """Which engine: `use_v1` if given, else $MINIVLLM_USE_V1 ("1" or "0"),
+        else the classic one (vLLM's own switch was VLLM_USE_V1)."""
+        if self.use_v1 is not None:
+            return check_bool("use_v1", self.use_v1, "None, True or False")
+        raw = envs.MINIVLLM_USE_V1
+        if raw in (None, "0"):
+            return False
+        if raw == "1":
+            return True
+        raise ValueError(f"The environment variable MINIVLLM_USE_V1 must be 0 or 1, got {raw!r}")
+
     def create_engine_config(self) -> EngineConfig:
         """The configs; each checks its own options (types, ranges) when made,
         and the options that have no config are checked here."""
         # Both values run the same (eagerly): vLLM code that sets it runs unchanged.
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("disable_log_stats", self.disable_log_stats)
+        use_v1 = self.resolve_use_v1()
+        # V1's defaults (as vLLM's): prefix caching and chunked prefill on,
+        # 8192 tokens a step.
+        enable_prefix_caching = self.enable_prefix_caching
+        if enable_prefix_caching is None:
+            enable_prefix_caching = use_v1
+        enable_chunked_prefill = self.enable_chunked_prefill
+        if enable_chunked_prefill is None:
+            enable_chunked_prefill = use_v1
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None and use_v1 and enable_chunked_prefill:
+            max_num_batched_tokens = max(
+                8192, self.max_num_seqs if is_int(self.max_num_seqs) else 0
+            )
         device_config = DeviceConfig(self.device)
         model_config = ModelConfig(
             # No model named: the small story model that ships in the package,
@@ -195,14 +230,14 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             swap_space=self.swap_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
             scheduler_cls=self.scheduler_cls,
             block_manager_cls=self.block_manager_cls,
@@ -212,7 +247,7 @@ class EngineArgs:
         )
         model_config.verify_with_parallel_config(parallel_config)
         return EngineConfig(
-            model_config, cache_config, scheduler_config, device_config, parallel_config
+            model_config, cache_config, scheduler_config, device_config, parallel_config, use_v1
         )
 
 

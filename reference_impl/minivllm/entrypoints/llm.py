@@ -13,6 +13,7 @@ from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils import WrongTypeError, show
+from minivllm.v1.engine.llm_engine import LLMEngine as V1LLMEngine
 
 
 class LLM:
@@ -29,7 +30,9 @@ class LLM:
             # open(3) would write the trace into file descriptor 3.
             raise WrongTypeError(f"trace must be None or a file path, got {show(trace)}")
         engine_args = EngineArgs.from_kwargs("LLM()", model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(engine_args, trace=trace)
+        # use_v1=True (or MINIVLLM_USE_V1=1): vLLM's V1 engine, minivllm/v1/.
+        engine_cls = V1LLMEngine if engine_args.resolve_use_v1() else LLMEngine
+        self.llm_engine = engine_cls.from_engine_args(engine_args, trace=trace)
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

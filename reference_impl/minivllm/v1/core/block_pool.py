@@ -38,8 +38,9 @@ class HasBlockHashes(Protocol):
 class BlockPool:
     def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
         if num_gpu_blocks < 2:
-            raise ValueError(f"num_gpu_blocks must be at least 2 (one is the null block), "
-                             f"got {num_gpu_blocks}")
+            raise ValueError(
+                f"num_gpu_blocks must be at least 2 (one is the null block), got {num_gpu_blocks}"
+            )
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_gpu_blocks)]
@@ -55,8 +56,13 @@ class BlockPool:
         blocks = self.cached_block_hash_to_block.get(block_hash)
         return next(iter(blocks.values())) if blocks else None
 
-    def cache_full_blocks(self, request: HasBlockHashes, blocks: list[KVCacheBlock],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self,
+        request: HasBlockHashes,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
         """Index `blocks[num_cached_blocks:num_full_blocks]`, the request's
         blocks that have filled since it last cached, by their hashes."""
         if num_full_blocks > len(request.block_hashes):

@@ -51,9 +51,27 @@ def hash_request_tokens(block_size: int, token_ids: Sequence[int]) -> list[Block
     hashes: list[BlockHash] = []
     parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size])
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def get_request_block_hasher(block_size: int):
+    """A function that hashes the full blocks a request has gained since it
+    was last hashed (`Request.update_block_hashes` calls it)."""
+
+    def request_block_hasher(request) -> list[BlockHash]:
+        token_ids = request.all_token_ids
+        start = len(request.block_hashes) * block_size
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        new_hashes: list[BlockHash] = []
+        while start + block_size <= len(token_ids):
+            parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+            new_hashes.append(parent)
+            start += block_size
+        return new_hashes
+
+    return request_block_hasher
 
 
 @dataclass(eq=False)

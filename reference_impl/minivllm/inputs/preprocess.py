@@ -1,0 +1,168 @@
+"""Turning what a user sends into a request an engine can run: the prompt
+in its accepted forms, tokenized, and every check made before anything is
+queued (vLLM's `vllm/inputs/preprocess.py` and the validation of its input
+processor). Both engines use it, so a request is refused by the same rules,
+with the same message, whichever engine runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from minivllm.config import ModelConfig, SchedulerConfig
+from minivllm.sampling_params import SamplingParams
+from minivllm.utils import WrongTypeError, check_float, check_int, is_int, show
+
+PromptType = str | dict
+
+
+def get_eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str) -> set[int]:
+    """The tokenizer's EOS plus any the generation config adds (Llama 3
+    lists several), as Hugging Face `generate` stops on all of them."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    try:
+        gen = GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        gen = None
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    return ids
+
+
+class InputPreprocessor:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        model_config: ModelConfig,
+        scheduler_config: SchedulerConfig,
+        eos_token_ids: set[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.scheduler_config = scheduler_config
+        self.eos_token_ids = eos_token_ids
+
+    def validate_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None,
+        priority: int,
+        live_request_ids: set[str],
+    ) -> tuple[str | None, list[int]]:
+        """The checks both engines make in `add_request` (vLLM's
+        `_validate_model_inputs` and more); returns the prompt's text (if
+        any) and token ids. Each engine adds its own checks after these."""
+        if not isinstance(request_id, str):
+            raise WrongTypeError(f"request_id must be a string, got {show(request_id)}")
+        if not isinstance(params, SamplingParams):
+            raise WrongTypeError(
+                f"Request {request_id!r}: params must be a SamplingParams, got {show(params)}"
+            )
+        priority = check_int(
+            f"priority of request {request_id!r}",
+            priority,
+            allowed="an integer (lower values run first)",
+        )
+        if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Request {request_id!r}: priority={priority} needs scheduling_policy='priority'"
+            )
+        if arrival_time is not None:
+            check_float(
+                f"arrival_time of request {request_id!r}",
+                arrival_time,
+                allowed="None (now) or a finite number of seconds, like time.time()",
+            )
+        if request_id in live_request_ids:
+            raise ValueError(
+                f"Request id {request_id!r} is already in use by an unfinished request"
+            )
+        prompt_text, prompt_token_ids = self.process_prompt(prompt, request_id)
+        if not prompt_token_ids:
+            raise ValueError(f"Request {request_id!r}: the prompt is empty (0 tokens)")
+        max_len = self.model_config.max_model_len
+        if len(prompt_token_ids) > max_len:
+            raise ValueError(
+                f"Request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, "
+                f"longer than max_model_len={max_len}"
+            )
+        vocab = self.model_config.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"Request {request_id!r}: prompt token ids {bad[:5]} are outside the "
+                f"vocabulary [0, {vocab})"
+            )
+        # The sampler indexes the logits with them (they are banned before
+        # min_tokens): an id past the vocabulary would fail inside a step.
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"Request {request_id!r}: stop_token_ids {bad[:5]} are outside the "
+                f"vocabulary [0, {vocab})"
+            )
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        bans_stops = params.min_tokens > 0 or self.model_config.dry_run
+        if bans_stops and len(stops) >= vocab and stops >= set(range(vocab)):
+            # The sampler bans them before min_tokens (the dry run always):
+            # nothing would be left to draw.
+            raise ValueError(
+                f"Request {request_id!r}: stop_token_ids and EOS cover the whole vocabulary "
+                f"({vocab} tokens), so no token could be sampled before min_tokens="
+                f"{params.min_tokens}"
+            )
+        return prompt_text, prompt_token_ids
+
+    def process_prompt(
+        self, prompt: PromptType, request_id: str = ""
+    ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt in one of its accepted forms;
+        the ids are checked to be integers (numpy's too, not bools)."""
+        forms = (
+            "a string, {'prompt_token_ids': [...]} (with an optional 'prompt') or {'prompt': str}"
+        )
+        where = f"Request {request_id!r}: "
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, dict):
+            raise WrongTypeError(f"{where}prompt must be {forms}, got {show(prompt)}")
+        unknown = sorted(map(str, set(prompt) - {"prompt_token_ids", "prompt"}))
+        if unknown:
+            raise ValueError(f"{where}prompt dict has unknown keys {unknown}: it must be {forms}")
+        text = prompt.get("prompt")
+        if not (text is None or isinstance(text, str)):
+            raise WrongTypeError(f"{where}the prompt's 'prompt' must be a string, got {show(text)}")
+        if "prompt_token_ids" not in prompt:
+            if text is None:
+                raise ValueError(f"{where}prompt must be {forms}, got {show(prompt)}")
+            return text, self.tokenizer.encode(text)
+        return text, self.check_token_ids(prompt["prompt_token_ids"], where)
+
+    @staticmethod
+    def check_token_ids(ids: object, where: str) -> list[int]:
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
+            ids = ids.tolist()  # plain ints, or floats / bools / lists to refuse below
+        if isinstance(ids, (str, bytes, dict, set, frozenset)) or not isinstance(ids, Iterable):
+            raise WrongTypeError(
+                f"{where}prompt_token_ids must be a list of integers, got {show(ids)}"
+            )
+        ids = list(ids)
+        bad = [(i, t) for i, t in enumerate(ids) if not is_int(t)]
+        if bad:
+            i, t = bad[0]
+            raise WrongTypeError(
+                f"{where}prompt_token_ids must be integers (token ids), got {show(t)} at "
+                f"position {i}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+            )
+        return [int(t) for t in ids]

@@ -1,0 +1,62 @@
+"""The messages between V1's front end and its engine core (vLLM's
+`vllm/v1/engine/__init__.py`): what goes in (`EngineCoreRequest`) and
+what comes out each step (`EngineCoreOutputs`). They are plain data, so the
+engine core can run in another process and receive them over a socket.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import PositionLogprobs
+from minivllm.v1.metrics.stats import SchedulerStats
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; `str()` gives the OpenAI API's word."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request after the front end tokenized and checked it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step: the tokens it gained (none for a
+    prompt chunk that did not finish the prompt) and, at the end, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = field(default_factory=time.monotonic)

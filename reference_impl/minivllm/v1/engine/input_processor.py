@@ -1,0 +1,71 @@
+"""`InputProcessor`: a user's request, checked and tokenized, as an
+`EngineCoreRequest` (vLLM's `vllm/v1/engine/input_processor.py`).
+
+It runs in the front end, so the engine core never sees text: tokenizing
+is off its busy loop, and a refused request never reaches it. The checks
+are the classic engine's (inputs/preprocess.py) plus V1's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+from minivllm.config import EngineConfig
+from minivllm.inputs import InputPreprocessor, PromptType, get_eos_token_ids
+from minivllm.sampling_params import SamplingParams
+from minivllm.v1.engine import EngineCoreRequest
+
+
+class InputProcessor:
+    def __init__(self, engine_config: EngineConfig, tokenizer) -> None:
+        self.model_config = engine_config.model_config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = get_eos_token_ids(tokenizer, self.model_config.local_path)
+        self.input_preprocessor = InputPreprocessor(
+            tokenizer, self.model_config, engine_config.scheduler_config, self.eos_token_ids
+        )
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None,
+        priority: int,
+        live_request_ids: set[str],
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """(the prompt's text, if any; the request for the engine core)."""
+        prompt_text, prompt_token_ids = self.input_preprocessor.validate_request(
+            request_id, prompt, params, arrival_time, priority, live_request_ids
+        )
+        if params.best_of > params.n:
+            raise ValueError(
+                f"Request {request_id!r}: best_of={params.best_of} is not supported by the V1 "
+                "engine (vLLM V1 removed it); use n, or the classic engine"
+            )
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                f"Request {request_id!r}: prompt_logprobs is not supported by minivllm's V1 "
+                "engine yet; use the classic engine"
+            )
+        params = copy.deepcopy(params)
+        # One EOS is the request's; others the generation config lists
+        # become stop tokens, as vLLM's `update_from_generation_config` does.
+        eos_token_id = self.tokenizer.eos_token_id
+        if not params.ignore_eos:
+            extra = sorted(self.eos_token_ids - {eos_token_id} - set(params.stop_token_ids))
+            params.stop_token_ids = list(params.stop_token_ids) + extra
+            # The sampler bans every stop token before min_tokens.
+            params.all_stop_token_ids |= self.eos_token_ids
+        if params.max_tokens is None:
+            params.max_tokens = self.model_config.max_model_len - len(prompt_token_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=eos_token_id,
+            arrival_time=time.time() if arrival_time is None else float(arrival_time),
+            priority=int(priority),
+        )
+        return prompt_text, request

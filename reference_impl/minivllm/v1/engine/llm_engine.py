@@ -1,0 +1,158 @@
+"""V1's `LLMEngine` (vLLM's `vllm/v1/engine/llm_engine.py`): the classic
+engine's interface (`add_request`, `step`, `abort_request`) over V1's split:
+
+    add_request: InputProcessor (tokenize, check) -> EngineCoreRequest
+                 -> OutputProcessor (a RequestState) and the engine core
+    step:        engine core step (schedule, execute, update) -> token ids
+                 -> OutputProcessor (text, stop strings) -> RequestOutputs
+
+`LLM(..., use_v1=True)` (or MINIVLLM_USE_V1=1) runs on it. As the classic
+engine, it dies with a step that fails part-way: every later call raises
+`EngineDeadError` rather than serve tokens from a half-updated state.
+"""
+
+from __future__ import annotations
+
+from minivllm.config import EngineConfig
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import EngineDeadError
+from minivllm.inputs import PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.transformers_utils.tokenizer import get_tokenizer
+from minivllm.v1.engine.core_client import EngineCoreClient
+from minivllm.v1.engine.input_processor import InputProcessor
+from minivllm.v1.engine.output_processor import OutputProcessor, ParentRequest
+
+
+def check_v1_config(engine_config: EngineConfig) -> None:
+    """Refuse, naming the option, what only the classic engine has."""
+    model_config, scheduler_config = engine_config.model_config, engine_config.scheduler_config
+    if model_config.dry_run:
+        raise ValueError("dry_run=True runs on the classic engine only (use_v1=False)")
+    if scheduler_config.preemption_mode is not None and (
+        scheduler_config.preemption_mode.value == "swap"
+    ):
+        raise ValueError(
+            "preemption_mode='swap': V1 preempts by recompute only (prefix caching makes "
+            "recomputing cheap); leave preemption_mode unset, or use the classic engine"
+        )
+    for option in ("scheduler_cls", "block_manager_cls"):
+        cls = getattr(scheduler_config, option)
+        if not cls.__module__.startswith("minivllm.core."):
+            raise ValueError(
+                f"{option}={cls.__qualname__} replaces a part of the classic engine; V1 has "
+                "its own scheduler (minivllm/v1/core/sched/)"
+            )
+
+
+class LLMEngine:
+    def __init__(self, engine_config: EngineConfig, log_stats: bool = False) -> None:
+        check_v1_config(engine_config)
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.log_stats = log_stats
+        self.tokenizer = get_tokenizer(
+            self.model_config.tokenizer, self.model_config.trust_remote_code
+        )
+        self.input_processor = InputProcessor(engine_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCoreClient.make_client(engine_config)
+        self._live_request_ids: set[str] = set()
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, trace: str | None = None) -> LLMEngine:
+        if trace is not None:
+            raise ValueError("trace= records the classic engine's steps; V1 is not traced yet")
+        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- requests -----------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Check and queue a request; `n > 1` becomes n child requests."""
+        self._check_alive()
+        prompt_text, request = self.input_processor.process_inputs(
+            request_id, prompt, params, arrival_time, priority, self._live_request_ids
+        )
+        self._live_request_ids.add(request_id)
+        params = request.sampling_params
+        if params.n == 1:
+            self._add_one(request, prompt_text, None, 0)
+            return
+        parent = ParentRequest(request_id, params)
+        for index in range(params.n):
+            child_id, child_params = parent.get_child_info(index)
+            child = type(request)(
+                **{**vars(request), "request_id": child_id, "sampling_params": child_params}
+            )
+            self._add_one(child, prompt_text, parent, index)
+
+    def _add_one(self, request, prompt_text, parent, index) -> None:
+        self.output_processor.add_request(
+            request.request_id,
+            prompt_text,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.arrival_time,
+            parent,
+            index,
+        )
+        self.engine_core.add_request(request)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Drop requests now (no final output, as vLLM V1). Ids unknown or
+        finished are ignored; on a dead engine this does nothing."""
+        if self.dead_error is not None:
+            return
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+        self._live_request_ids.difference_update(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._live_request_ids)
+
+    # -- the step -------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            cause = self.dead_error
+            raise EngineDeadError(
+                f"engine is dead: {type(cause).__name__}: {cause}. A step failed part-way, "
+                "so its queues and KV cache can no longer be trusted; create a new engine."
+            ) from cause
+
+    def step(self) -> list[RequestOutput]:
+        self._check_alive()
+        try:
+            outputs = self.engine_core.get_output()
+            processed = self.output_processor.process_outputs(outputs.outputs)
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        except BaseException as exc:
+            self.dead_error = exc
+            self.engine_core.shutdown()
+            raise
+        for output in processed.request_outputs:
+            if output.finished:
+                self._live_request_ids.discard(output.request_id)
+        return processed.request_outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()

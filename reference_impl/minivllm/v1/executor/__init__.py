@@ -1,0 +1,1 @@
+"""V1's executors (vLLM's `vllm/v1/executor/`): here one, in-process."""

@@ -1,0 +1,262 @@
+"""`GPUModelRunner`: V1's model runner (vLLM's `vllm/v1/worker/gpu_model_runner.py`;
+the name is vLLM's, and it runs on a CPU as well).
+
+Each step it
+
+1. `_update_states`: applies the scheduler's diff to the persistent batch
+   (drop finished and unscheduled requests, add new ones, extend the block
+   rows and computed counts of the others);
+2. `_prepare_inputs`: gathers the step's flattened inputs from the batch's
+   arrays: per token its id, position and cache slot; per request its query
+   start, lengths and block row;
+3. runs the model, computes logits for the last token of every request
+   that reaches the end of its known tokens, samples, and appends the
+   sampled tokens to the batch itself (the scheduler does not send them
+   back).
+
+It shares the classic engine's models, attention backends and sampler.
+Our attention contract (attention/backends/abstract.py) wants requests with
+several new tokens (prefills, prompt chunks) before those with one (decodes);
+vLLM's backends that care want decodes first. Either way the runner swaps
+rows of the persistent batch to match, as vLLM's `reorder_batch` does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from minivllm.attention.selector import get_attn_backend
+from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from minivllm.model_executor.layers.sampler import Sampler, get_position_logprobs
+from minivllm.model_executor.model_loader import get_model
+from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
+from minivllm.sequence import SequenceData
+from minivllm.utils import cdiv
+from minivllm.v1.core.sched.output import SchedulerOutput
+from minivllm.v1.outputs import ModelRunnerOutput
+from minivllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+
+class GPUModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device_config: DeviceConfig,
+    ) -> None:
+        self.model_config = model_config
+        self.device = device_config.torch_device
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.attn_backend = get_attn_backend(
+            model_config.attention_backend,
+            device_config.device,
+            model_config.dtype,
+            model_config.get_head_size(),
+            cache_config.block_size,
+        )
+        self.sampler = Sampler(seed=model_config.seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            max_num_reqs=scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_blocks_per_req=cdiv(self.max_model_len, self.block_size),
+            block_size=self.block_size,
+        )
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config, self.device, self.attn_backend)
+
+    def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
+    # -- 1. the persistent batch ------------------------------------------
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # Running but not scheduled this step (out of budget, or preempted):
+        # out of the batch, state kept for when it comes back.
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
+            batch.remove_request(req_id)
+
+        reqs_to_add: list[CachedRequestState] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed)
+            self.requests[new.req_id] = state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=params,
+                generator=generator,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=[],
+            )
+            reqs_to_add.append(state)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:  # back from preemption: a new set of blocks
+                state.block_ids = list(new_block_ids)
+            else:
+                state.block_ids.extend(new_block_ids)
+            if req_id in cached.all_token_ids:
+                state.output_token_ids = cached.all_token_ids[req_id][len(state.prompt_token_ids) :]
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                reqs_to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+            batch.block_table.append_row(new_block_ids, row)
+
+        for state in reqs_to_add:
+            batch.add_request(state)
+        batch.condense()
+        self._reorder_batch(scheduled)
+
+    def _reorder_batch(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """Rows with several new tokens first, rows with one after."""
+        batch = self.input_batch
+        front, back = 0, batch.num_reqs - 1
+        while front < back:
+            if num_scheduled_tokens[batch.req_ids[front]] > 1:
+                front += 1
+            elif num_scheduled_tokens[batch.req_ids[back]] == 1:
+                back -= 1
+            else:
+                batch.swap_states(front, back)
+
+    # -- 2. the step's inputs -----------------------------------------------
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+        """(input_ids, positions, attn_metadata, logits_indices, sample_rows)."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        # [num_reqs] tokens scheduled per row
+        num_scheduled = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64
+        )
+        cu_num_tokens = np.cumsum(num_scheduled)  # [num_reqs] end of each row's tokens
+        # [num_tokens]: each token's row, and its offset within the row's new tokens
+        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
+        offsets = np.arange(cu_num_tokens[-1]) - np.repeat(
+            cu_num_tokens - num_scheduled, num_scheduled
+        )
+        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        positions = computed[req_indices] + offsets  # [num_tokens]
+        input_ids = batch.token_ids_cpu[req_indices, positions]  # [num_tokens]
+        slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions)
+
+        seq_lens = computed + num_scheduled  # [num_reqs] tokens with K/V after the step
+        num_prefills = int((num_scheduled > 1).sum())  # rows with several tokens come first
+
+        def as_tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
+
+        attn_metadata = self.attn_backend.get_metadata_cls()(
+            num_prefills=num_prefills,
+            num_prefill_tokens=int(num_scheduled[:num_prefills].sum()),
+            num_decode_tokens=int(num_reqs - num_prefills),
+            slot_mapping=as_tensor(slot_mapping),
+            seq_lens=seq_lens.tolist(),
+            context_lens=computed.tolist(),
+            query_start_loc=[0, *cu_num_tokens[:num_prefills].tolist()],
+            block_tables=batch.block_table.get_device_tensor(num_reqs, self.device),
+            seq_lens_tensor=as_tensor(seq_lens),
+        )
+        # A row samples when the step reaches the end of its known tokens;
+        # a prompt chunk that does not is computed, not sampled. (vLLM
+        # samples every row and throws those tokens away.)
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
+        logits_indices = cu_num_tokens[sample_rows] - 1
+        return (
+            as_tensor(input_ids),
+            as_tensor(positions),
+            attn_metadata,
+            logits_indices,
+            sample_rows,
+        )
+
+    # -- 3. run, sample, keep the tokens --------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        batch = self.input_batch
+        req_ids = list(batch.req_ids)
+        req_id_to_index = {req_id: i for i, req_id in enumerate(req_ids)}
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list = [None] * len(req_ids)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return ModelRunnerOutput(req_ids, req_id_to_index, sampled, logprobs)
+
+        input_ids, positions, attn_metadata, logits_indices, sample_rows = self._prepare_inputs(
+            scheduler_output
+        )
+        hidden_states = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        # [num_sample_rows, vocab_size]
+        logits = self.model.compute_logits(hidden_states[torch.from_numpy(logits_indices)])
+        if len(sample_rows):
+            tokens = self._sample(logits, sample_rows)
+            self._add_logprobs(logits, sample_rows, tokens, logprobs)
+            for row, token in zip(sample_rows.tolist(), tokens, strict=True):
+                batch.append_token(row, token)
+                sampled[row] = [token]
+        return ModelRunnerOutput(req_ids, req_id_to_index, sampled, logprobs)
+
+    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray) -> list[int]:
+        """One token per sampling row, by the classic engine's sampler: each
+        row is one single-sequence group, its generator its own if seeded."""
+        groups = []
+        for i, row in enumerate(sample_rows.tolist()):
+            state = self.input_batch.req_states[row]
+            groups.append(
+                SequenceGroupToSample(
+                    seq_ids=[row],
+                    sampling_params=state.sampling_params,
+                    generator=state.generator,
+                    seq_data={row: SequenceData(state.prompt_token_ids, state.output_token_ids)},
+                    prompt_logprob_indices=[],
+                    sample_indices=[i],
+                )
+            )
+        metadata = SamplingMetadata(groups, torch.arange(len(groups)))
+        output = self.sampler(logits, metadata)
+        return [group_output.samples[0].output_token for group_output in output.outputs]
+
+    def _add_logprobs(
+        self, logits: torch.Tensor, sample_rows: np.ndarray, tokens: list[int], logprobs: list
+    ) -> None:
+        """Logprobs for the rows that ask, from the model's raw logits (vLLM
+        V1's default `logprobs_mode="raw_logprobs"`; the classic engine gives
+        those of the processed distribution the token was drawn from)."""
+        states = self.input_batch.req_states
+        wanted = [
+            i
+            for i, row in enumerate(sample_rows.tolist())
+            if states[row].sampling_params.logprobs is not None
+        ]
+        if not wanted:
+            return
+        raw = torch.log_softmax(logits[wanted].float(), dim=-1)
+        entries = get_position_logprobs(
+            raw,
+            [tokens[i] for i in wanted],
+            [states[sample_rows[i]].sampling_params.logprobs for i in wanted],
+        )
+        for i, entry in zip(wanted, entries, strict=True):
+            logprobs[sample_rows[i]] = entry
