@@ -9,7 +9,8 @@ the model runs while the front end handles text and HTTP.
 
 from __future__ import annotations
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, SchedulerConfig
+from minivllm.core.scheduler import Scheduler as ClassicScheduler
 from minivllm.utils import cdiv
 from minivllm.v1.core.kv_cache_utils import get_request_block_hasher
 from minivllm.v1.core.sched.scheduler import Scheduler
@@ -18,12 +19,30 @@ from minivllm.v1.executor.uniproc_executor import UniProcExecutor
 from minivllm.v1.request import Request, RequestStatus
 
 
+def get_scheduler_cls(scheduler_config: SchedulerConfig) -> type[Scheduler]:
+    """The scheduler class: V1's own, unless `scheduler_cls` names a
+    subclass of it (a lab plugs a learner's in this way, as vLLM's
+    `scheduler_cls` option does). The option's default is the classic
+    engine's scheduler, which means V1's here."""
+    cls = scheduler_config.scheduler_cls
+    if isinstance(cls, type) and issubclass(cls, Scheduler):
+        return cls
+    if cls is ClassicScheduler:
+        return Scheduler
+    raise ValueError(
+        f"scheduler_cls={getattr(cls, '__qualname__', cls)} is not a V1 scheduler; with "
+        "use_v1=True it must subclass minivllm.v1.core.sched.scheduler.Scheduler"
+    )
+
+
 class EngineCore:
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
         self.model_executor = UniProcExecutor(engine_config)
         self._initialize_kv_caches()
-        self.scheduler = Scheduler(engine_config.scheduler_config, engine_config.cache_config)
+        self.scheduler = get_scheduler_cls(engine_config.scheduler_config)(
+            engine_config.scheduler_config, engine_config.cache_config
+        )
         cache_config = engine_config.cache_config
         self.block_hasher = (
             get_request_block_hasher(cache_config.block_size)

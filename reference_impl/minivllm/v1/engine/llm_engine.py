@@ -20,6 +20,7 @@ from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.transformers_utils.tokenizer import get_tokenizer
+from minivllm.v1.engine.core import get_scheduler_cls
 from minivllm.v1.engine.core_client import EngineCoreClient
 from minivllm.v1.engine.input_processor import InputProcessor
 from minivllm.v1.engine.output_processor import OutputProcessor, ParentRequest
@@ -37,13 +38,13 @@ def check_v1_config(engine_config: EngineConfig) -> None:
             "preemption_mode='swap': V1 preempts by recompute only (prefix caching makes "
             "recomputing cheap); leave preemption_mode unset, or use the classic engine"
         )
-    for option in ("scheduler_cls", "block_manager_cls"):
-        cls = getattr(scheduler_config, option)
-        if not cls.__module__.startswith("minivllm.core."):
-            raise ValueError(
-                f"{option}={cls.__qualname__} replaces a part of the classic engine; V1 has "
-                "its own scheduler (minivllm/v1/core/sched/)"
-            )
+    get_scheduler_cls(scheduler_config)  # refuses a classic replacement
+    block_manager_cls = scheduler_config.block_manager_cls
+    if not block_manager_cls.__module__.startswith("minivllm.core."):
+        raise ValueError(
+            f"block_manager_cls={block_manager_cls.__qualname__} replaces the classic engine's "
+            "block manager; V1 has its KVCacheManager (minivllm/v1/core/)"
+        )
 
 
 class LLMEngine:
