@@ -36,6 +36,8 @@ class RequestOutput:
 
     prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per
     prompt token: None for the first, then a token_id -> Logprob dict.
+    num_cached_tokens: prompt tokens found in the prefix cache when the
+    request was first scheduled (V1 reports it; None from the classic engine).
     """
 
     request_id: str
@@ -45,6 +47,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None
 
     @classmethod
     def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:

@@ -52,6 +52,7 @@ class RequestState:
     parent: ParentRequest | None = None
     index: int = 0  # the child's place among its parent's n
     cumulative_logprob: float = 0.0
+    num_cached_tokens: int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
 
@@ -117,6 +118,7 @@ class OutputProcessor:
             if metrics.first_token_time is None and output.new_token_ids:
                 metrics.first_token_time = now
             metrics.last_token_time = now
+            state.num_cached_tokens = output.num_cached_tokens
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             stop_str = state.detokenizer.update(
                 output.new_token_ids, output.new_logprobs, finish_reason is not None
@@ -161,6 +163,7 @@ class OutputProcessor:
                 [completion],
                 finished,
                 state.metrics,
+                state.num_cached_tokens,
             )
         parent.completions[state.index] = completion
         parent.num_finished += finished
@@ -172,4 +175,5 @@ class OutputProcessor:
             [parent.completions[i] for i in sorted(parent.completions)],
             parent.finished,
             state.metrics,
+            state.num_cached_tokens,
         )
