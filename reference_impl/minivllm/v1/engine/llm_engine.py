@@ -61,6 +61,10 @@ class LLMEngine:
         self.engine_core = EngineCoreClient.make_client(engine_config)
         self._live_request_ids: set[str] = set()
         self.dead_error: BaseException | None = None
+        # Totals over the engine's life, from each step's SchedulerStats
+        # (the benchmarks read them; vLLM's stat loggers keep the like).
+        self.total_scheduled_tokens = 0
+        self.total_preemptions = 0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, trace: str | None = None) -> LLMEngine:
@@ -145,6 +149,9 @@ class LLMEngine:
         try:
             outputs = self.engine_core.get_output()
             processed = self.output_processor.process_outputs(outputs.outputs)
+            if outputs.scheduler_stats is not None:
+                self.total_scheduled_tokens += outputs.scheduler_stats.num_scheduled_tokens
+                self.total_preemptions += outputs.scheduler_stats.num_preempted_reqs
             self.engine_core.abort_requests(processed.reqs_to_abort)
         except BaseException as exc:
             self.dead_error = exc

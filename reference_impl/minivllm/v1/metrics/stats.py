@@ -41,8 +41,10 @@ class PrefixCacheStats:
 
 @dataclass
 class SchedulerStats:
-    """The scheduler's state after a step."""
+    """One step: what it computed, and the scheduler's state after it."""
 
+    num_scheduled_tokens: int = 0  # token positions the model ran
+    num_preempted_reqs: int = 0
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0

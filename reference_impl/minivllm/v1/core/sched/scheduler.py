@@ -301,7 +301,7 @@ class Scheduler:
                 )
         if stopped_running_reqs:
             self.running = [r for r in self.running if r not in stopped_running_reqs]
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(scheduler_output))
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
@@ -315,8 +315,12 @@ class Scheduler:
                 break
         return new_token_ids, stopped
 
-    def make_stats(self) -> SchedulerStats:
+    def make_stats(self, scheduler_output: SchedulerOutput | None = None) -> SchedulerStats:
         return SchedulerStats(
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens
+            if scheduler_output
+            else 0,
+            num_preempted_reqs=len(scheduler_output.preempted_req_ids) if scheduler_output else 0,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
