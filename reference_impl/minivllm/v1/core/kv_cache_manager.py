@@ -121,8 +121,16 @@ class KVCacheManager:
 
         if self.enable_caching:
             self.block_pool.touch(new_computed)
-        req_blocks.extend(new_computed)
-        self.num_cached_block[request.request_id] = len(req_blocks)
+        if request.request_id not in self.num_cached_block:
+            # The request's first blocks: its cache hits, all cached. Counted
+            # only here, as vLLM's save_new_computed_blocks does: recounting
+            # len(req_blocks) on every call took a running request's partly
+            # filled last block for cached, so cache_blocks skipped it once it
+            # filled and it never entered the prefix cache.
+            req_blocks.extend(new_computed)
+            self.num_cached_block[request.request_id] = len(req_blocks)
+        else:
+            assert not new_computed, "a running request takes no cache hits"
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
 
