@@ -15,6 +15,15 @@ code that uses it checks it and names the variable when it is wrong.
 - MINIVLLM_CPU_KVCACHE_SPACE: the KV cache on a CPU, in GiB (default 1),
   when no `kv_cache_memory_bytes` is given (config.py). vLLM's CPU backend
   reads VLLM_CPU_KVCACHE_SPACE.
+- MINIVLLM_ENABLE_V1_MULTIPROCESSING: "1" runs V1's engine core in a
+  process of its own (`SyncMPClient`, v1/engine/core_client.py), "0" or
+  unset in the front end's process (`InprocClient`), for `LLMEngine` and
+  so `LLM(use_v1=True)` when no `multiprocess_mode` is given
+  (v1/engine/llm_engine.py). `AsyncLLM` always uses a process. vLLM's twin
+  VLLM_ENABLE_V1_MULTIPROCESSING defaults to 1; ours defaults to 0 because
+  minivllm runs mostly in notebooks, tests and debuggers: in one process a
+  breakpoint or a print in the scheduler just works, and no engine pays a
+  few seconds to spawn an interpreter or leaves one behind.
 - MINIVLLM_TRACE: a JSON Lines path; every engine writes its trace there
   (engine/trace_writer.py, minivllm/tracer/), as if given `trace=PATH`.
 - MINIVLLM_USE_V1: "1" runs the V1 engine (minivllm/v1/) wherever no
@@ -44,6 +53,7 @@ ENVIRONMENT_VARIABLES = (
     "MINIVLLM_API_KEY",
     "MINIVLLM_ATTENTION_BACKEND",
     "MINIVLLM_CPU_KVCACHE_SPACE",
+    "MINIVLLM_ENABLE_V1_MULTIPROCESSING",
     "MINIVLLM_TRACE",
     "MINIVLLM_USE_V1",
     "CXX",

@@ -5,9 +5,27 @@ It knows token ids only. The front end (`LLMEngine`, `AsyncLLM`) tokenizes,
 detokenizes and finds stop strings, and talks to it through a client
 (core_client.py): in the same process, or in a process of its own so that
 the model runs while the front end handles text and HTTP.
+
+`EngineCoreProc` is that process: an `EngineCore` in a busy loop, fed and
+read over ZMQ sockets by `SyncMPClient` / `AsyncMPClient`.
 """
 
 from __future__ import annotations
+
+import enum
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import queue
+import signal
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
 
 from minivllm.config import EngineConfig, SchedulerConfig
 from minivllm.core.scheduler import Scheduler as ClassicScheduler
@@ -17,6 +35,8 @@ from minivllm.v1.core.sched.scheduler import Scheduler
 from minivllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from minivllm.v1.executor.uniproc_executor import UniProcExecutor
 from minivllm.v1.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 def get_scheduler_cls(scheduler_config: SchedulerConfig) -> type[Scheduler]:
@@ -88,3 +108,232 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+
+
+# -- the engine core in a process of its own ---------------------------------
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The first frame of every message to the engine core: what the rest is.
+
+    vLLM keeps this (and `UtilityOutput`) in `vllm/v1/engine/__init__.py`.
+    vLLM stops its engine core with SIGTERM; SHUTDOWN lets our client ask
+    first, so the core leaves its loop between steps (SIGTERM remains the
+    fallback, handled the same way)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"
+    SHUTDOWN = b"\x04"
+
+
+@dataclass
+class UtilityOutput:
+    """The answer to one UTILITY call (`reset_prefix_cache`, ...): the
+    method's result, or why it failed. `call_id` matches it to the waiting
+    caller. vLLM sends it inside an `EngineCoreOutputs`; ours goes alone."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+_STOP_OUTPUT_THREAD = object()
+
+
+class EngineCoreProc(EngineCore):
+    """An `EngineCore` driven by a busy loop in a background process, talking
+    to its client over two ZMQ sockets (vLLM's `EngineCoreProc`).
+
+    Three threads, so that socket I/O and (un)pickling overlap the model:
+
+        input thread:  socket -> unpickle -> input_queue
+        main thread:   drain input_queue (ADD, ABORT, UTILITY, SHUTDOWN);
+                       step while there is work -> output_queue
+        output thread: output_queue -> pickle -> socket
+
+    The main thread blocks on the input queue when nothing is scheduled, so
+    an idle engine uses no CPU. Each socket is touched by one thread only,
+    as ZMQ requires.
+
+    Serialization is pickle. vLLM uses msgpack (msgspec) with custom
+    encoders: faster, zero-copy for tensors, and safe to decode from a peer
+    it does not trust. Here both ends are the same program on the same
+    machine, the sockets are loopback-only (ipc:// files in a private temp
+    dir), and the messages are small dataclasses of lists, so pickle is
+    simpler and fast enough.
+    """
+
+    ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"  # first frame of the last message
+
+    def __init__(
+        self, engine_config: EngineConfig, input_address: str, output_address: str,
+        identity: bytes,
+    ) -> None:
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.shutdown_requested = False
+        self._stop_input = threading.Event()
+        super().__init__(engine_config)  # loads the model: may raise
+        self.output_thread = threading.Thread(
+            target=self.process_output_sockets, args=(output_address,),
+            name="EngineCoreOutputThread", daemon=True,
+        )
+        self.input_thread = threading.Thread(
+            target=self.process_input_sockets, args=(input_address, identity),
+            name="EngineCoreInputThread", daemon=True,
+        )
+        self.output_thread.start()
+        self.input_thread.start()  # its first message tells the client we are ready
+
+    @staticmethod
+    def run_engine_core(
+        engine_config: EngineConfig, input_address: str, output_address: str,
+        identity: bytes, registered_models: dict,
+    ) -> None:
+        """The process's target: build the engine core, run its loop until
+        SHUTDOWN or SIGTERM. A startup failure is sent to the client (which
+        raises it); a failure in the loop is logged and sent as
+        ENGINE_CORE_DEAD before the process exits with code 1."""
+        from minivllm.model_executor.models import ModelRegistry
+
+        for architecture, model_cls in registered_models.items():
+            ModelRegistry.register_model(architecture, model_cls)
+        threading.Thread(target=_exit_with_parent, daemon=True).start()
+        # Ctrl-C reaches the whole process group: the front end handles it
+        # and shuts us down. SIGTERM (the client's fallback) exits cleanly.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+        engine_core = None
+        try:
+            engine_core = EngineCoreProc(engine_config, input_address, output_address, identity)
+            engine_core.run_busy_loop()
+        except SystemExit:
+            pass
+        except BaseException as error:
+            if engine_core is None:
+                logger.exception("EngineCore failed to start.")
+                _send_startup_failure(input_address, identity, error)
+            else:
+                logger.exception("EngineCore encountered a fatal error.")
+                engine_core._send_engine_dead(error)
+            raise SystemExit(1) from None
+        finally:
+            if engine_core is not None:
+                engine_core.shutdown()
+
+    def run_busy_loop(self) -> None:
+        """Take the client's messages; step while there is work."""
+        while not self.shutdown_requested:
+            self._process_input_queue()
+            if self.has_work():
+                self._process_engine_step()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def _process_input_queue(self) -> None:
+        """Block while idle; then handle every message already queued, so
+        that a step sees all the requests and aborts sent before it."""
+        while not self.has_work() and not self.shutdown_requested:
+            self._handle_client_request(*self.input_queue.get())
+        while not self.input_queue.empty():
+            self._handle_client_request(*self.input_queue.get_nowait())
+
+    def _process_engine_step(self) -> None:
+        outputs, _ = self.step()
+        self.output_queue.put_nowait(outputs)
+
+    def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        if request_type is EngineCoreRequestType.ADD:
+            self.add_request(request)
+        elif request_type is EngineCoreRequestType.ABORT:
+            self.abort_requests(request)
+        elif request_type is EngineCoreRequestType.UTILITY:
+            call_id, method_name, args = request
+            self.output_queue.put_nowait(self._invoke_utility_method(call_id, method_name, args))
+        elif request_type is EngineCoreRequestType.SHUTDOWN:
+            self.shutdown_requested = True
+
+    def _invoke_utility_method(self, call_id: int, method_name: str, args: tuple) -> UtilityOutput:
+        """A failing utility fails its caller only; the engine goes on."""
+        try:
+            return UtilityOutput(call_id, result=getattr(self, method_name)(*args))
+        except Exception as error:
+            logger.exception("Invocation of %s method failed", method_name)
+            return UtilityOutput(
+                call_id, failure_message=f"Call to {method_name} method failed: {error}"
+            )
+
+    def _send_engine_dead(self, error: BaseException) -> None:
+        """Tell the client why we are dying, before the process exits."""
+        description = f"{type(error).__name__}: {error}".encode()
+        self.output_queue.put_nowait((self.ENGINE_CORE_DEAD, description))
+
+    def process_input_sockets(self, input_address: str, identity: bytes) -> None:
+        """Input thread. Its first message is the handshake: READY."""
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as socket:
+            socket.setsockopt(zmq.IDENTITY, identity)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.RCVHWM, 0)
+            socket.connect(input_address)
+            cache_config = self.engine_config.cache_config
+            socket.send(pickle.dumps(("READY", {"num_gpu_blocks": cache_config.num_gpu_blocks})))
+            while not self._stop_input.is_set():
+                if not socket.poll(timeout=100):
+                    continue
+                request_type, payload = socket.recv_multipart()
+                request = pickle.loads(payload)
+                self.input_queue.put_nowait((EngineCoreRequestType(request_type), request))
+
+    def process_output_sockets(self, output_address: str) -> None:
+        """Output thread: sends until told to stop. Linger a little on
+        close so a last ENGINE_CORE_DEAD still leaves, but never hang on a
+        client that has gone."""
+        with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as socket:
+            socket.setsockopt(zmq.LINGER, 2000)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.connect(output_address)
+            for output in iter(self.output_queue.get, _STOP_OUTPUT_THREAD):
+                if isinstance(output, tuple):  # (ENGINE_CORE_DEAD, description)
+                    socket.send_multipart(output)
+                else:
+                    socket.send(pickle.dumps(output))
+
+    def shutdown(self) -> None:
+        """Flush and stop both I/O threads, then the executor."""
+        self.output_queue.put_nowait(_STOP_OUTPUT_THREAD)
+        self.output_thread.join(timeout=5.0)
+        self._stop_input.set()
+        self.input_thread.join(timeout=5.0)
+        super().shutdown()
+
+
+def _raise_system_exit(signum, frame) -> None:
+    raise SystemExit()
+
+
+def _exit_with_parent() -> None:
+    """In the engine core's process: exit as soon as the front end's process
+    is gone (killed, say), so no engine core outlives it."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
+
+
+def _send_startup_failure(input_address: str, identity: bytes, error: BaseException) -> None:
+    """The handshake's other answer: the exception, for the client to raise
+    with its own type and message, and the traceback of where it happened.
+    An exception that does not survive pickling is sent as a RuntimeError
+    with the same text."""
+    trace = traceback.format_exc()
+    try:
+        payload = pickle.dumps(("FAILED", (error, trace)))
+        pickle.loads(payload)
+    except Exception:
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+        payload = pickle.dumps(("FAILED", (error, trace)))
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as socket:
+        socket.setsockopt(zmq.IDENTITY, identity)
+        socket.setsockopt(zmq.LINGER, 5000)  # deliver it before the process exits
+        socket.connect(input_address)
+        socket.send(payload)

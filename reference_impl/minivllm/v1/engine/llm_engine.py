@@ -9,10 +9,17 @@ engine's interface (`add_request`, `step`, `abort_request`) over V1's split:
 `LLM(..., use_v1=True)` (or MINIVLLM_USE_V1=1) runs on it. As the classic
 engine, it dies with a step that fails part-way: every later call raises
 `EngineDeadError` rather than serve tokens from a half-updated state.
+
+The engine core runs in this process (`InprocClient`: `step` runs one
+step) or, with `multiprocess_mode=True` or
+MINIVLLM_ENABLE_V1_MULTIPROCESSING=1, in a process of its own
+(`SyncMPClient`: it steps on its own and `step` takes the next outputs;
+its death, a SIGKILL say, is an `EngineDeadError` here).
 """
 
 from __future__ import annotations
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import EngineDeadError
@@ -20,6 +27,7 @@ from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.transformers_utils.tokenizer import get_tokenizer
+from minivllm.utils import check_bool
 from minivllm.v1.engine.core import get_scheduler_cls
 from minivllm.v1.engine.core_client import EngineCoreClient
 from minivllm.v1.engine.input_processor import InputProcessor
@@ -47,8 +55,29 @@ def check_v1_config(engine_config: EngineConfig) -> None:
         )
 
 
+def resolve_multiprocess_mode(multiprocess_mode: bool | None) -> bool:
+    """Where the engine core runs: `multiprocess_mode` if given, else
+    $MINIVLLM_ENABLE_V1_MULTIPROCESSING ("1" or "0"), else in this process
+    (vLLM's default is a process of its own: see envs.py for why ours is not)."""
+    if multiprocess_mode is not None:
+        return check_bool("multiprocess_mode", multiprocess_mode, "None, True or False")
+    raw = envs.MINIVLLM_ENABLE_V1_MULTIPROCESSING
+    if raw in (None, "0"):
+        return False
+    if raw == "1":
+        return True
+    raise ValueError(
+        f"The environment variable MINIVLLM_ENABLE_V1_MULTIPROCESSING must be 0 or 1, got {raw!r}"
+    )
+
+
 class LLMEngine:
-    def __init__(self, engine_config: EngineConfig, log_stats: bool = False) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        log_stats: bool = False,
+        multiprocess_mode: bool | None = None,
+    ) -> None:
         check_v1_config(engine_config)
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
@@ -58,7 +87,11 @@ class LLMEngine:
         )
         self.input_processor = InputProcessor(engine_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCoreClient.make_client(engine_config)
+        self.engine_core = EngineCoreClient.make_client(
+            multiprocess_mode=resolve_multiprocess_mode(multiprocess_mode),
+            asyncio_mode=False,
+            engine_config=engine_config,
+        )
         self._live_request_ids: set[str] = set()
         self.dead_error: BaseException | None = None
         # Totals over the engine's life, from each step's SchedulerStats
@@ -67,10 +100,19 @@ class LLMEngine:
         self.total_preemptions = 0
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, trace: str | None = None) -> LLMEngine:
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs,
+        trace: str | None = None,
+        multiprocess_mode: bool | None = None,
+    ) -> LLMEngine:
         if trace is not None:
             raise ValueError("trace= records the classic engine's steps; V1 is not traced yet")
-        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
+        return cls(
+            engine_args.create_engine_config(),
+            log_stats=not engine_args.disable_log_stats,
+            multiprocess_mode=multiprocess_mode,
+        )
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -113,7 +155,11 @@ class LLMEngine:
             parent,
             index,
         )
-        self.engine_core.add_request(request)
+        try:
+            self.engine_core.add_request(request)
+        except EngineDeadError as exc:  # the engine core's process is gone
+            self.dead_error = exc
+            raise
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Drop requests now (no final output, as vLLM V1). Ids unknown or
@@ -139,6 +185,8 @@ class LLMEngine:
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             cause = self.dead_error
+            if isinstance(cause, EngineDeadError):  # the engine core's process died
+                raise EngineDeadError(str(cause)) from cause
             raise EngineDeadError(
                 f"engine is dead: {type(cause).__name__}: {cause}. A step failed part-way, "
                 "so its queues and KV cache can no longer be trusted; create a new engine."
@@ -164,3 +212,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, if it has one); also done when
+        the engine is garbage collected or the interpreter exits."""
+        self.engine_core.shutdown()

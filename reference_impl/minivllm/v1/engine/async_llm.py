@@ -1,0 +1,260 @@
+"""`AsyncLLM`: V1's engine for a server (vLLM's `vllm/v1/engine/async_llm.py`).
+
+The classic `AsyncLLMEngine` steps an `LLMEngine` from a background task.
+`AsyncLLM` has no loop that steps: the engine core steps by itself in its
+own process (`EngineCoreProc`, always: `AsyncMPClient`), and this process
+only does the front end's work, on the event loop:
+
+    generate():      InputProcessor -> OutputProcessor state + a queue for
+                     the request -> add_request_async to the engine core;
+                     then yield from the request's queue until finished.
+    output_handler:  one task: get_output_async (a step's token ids)
+                     -> OutputProcessor (text, stop strings) -> each
+                     RequestOutput into its request's queue; requests a
+                     stop string ended are aborted in the engine core.
+
+So tokenizing and detokenizing overlap the model's forward pass instead of
+waiting for it. A generator closed or cancelled early aborts its request,
+in the OutputProcessor and in the engine core. If the engine core dies,
+every waiting generator, and every later call, raises `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+
+from minivllm.config import EngineConfig
+from minivllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from minivllm.engine.llm_engine import EngineDeadError
+from minivllm.inputs import PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.transformers_utils.tokenizer import get_tokenizer
+from minivllm.v1.engine.core_client import AsyncMPClient, EngineCoreClient
+from minivllm.v1.engine.input_processor import InputProcessor
+from minivllm.v1.engine.llm_engine import check_v1_config
+from minivllm.v1.engine.output_processor import OutputProcessor, ParentRequest
+
+logger = logging.getLogger(__name__)
+
+
+class RequestOutputCollector:
+    """One request's outputs, from the output handler to its generator
+    (vLLM's name). Outputs are cumulative, so if the generator falls behind
+    only the newest is kept: a slow reader skips outputs, never text. An
+    exception takes the place of any output and is raised to the reader."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.output: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        if self.output is None or isinstance(output, BaseException):
+            self.output = output
+        elif not isinstance(self.output, BaseException):
+            self.output = output  # newer and cumulative: replaces the unread one
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | None:
+        return None if self.output is None else self._take()
+
+    def _take(self) -> RequestOutput:
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+
+class AsyncLLM:
+    def __init__(self, engine_config: EngineConfig, log_stats: bool = False) -> None:
+        check_v1_config(engine_config)
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.log_stats = log_stats
+        self.tokenizer = get_tokenizer(
+            self.model_config.tokenizer, self.model_config.trust_remote_code
+        )
+        self.input_processor = InputProcessor(engine_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # Always in a process of its own, as vLLM's AsyncLLM.
+        self.engine_core: AsyncMPClient = EngineCoreClient.make_client(
+            multiprocess_mode=True, asyncio_mode=True, engine_config=engine_config
+        )
+        # Per request (the parent's id for n > 1): where its outputs go.
+        self.request_queues: dict[str, RequestOutputCollector] = {}
+        self.output_handler: asyncio.Task | None = None
+        self._dead_error: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs | EngineArgs) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- state --------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None or self.engine_core.resources.engine_dead
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return self._dead_error or self.engine_core.resources.dead_error()
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error
+
+    # -- requests -----------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> RequestOutputCollector:
+        """Check the request and send it to the engine core; returns where
+        its outputs will arrive. `n > 1` becomes n child requests."""
+        if self.errored:
+            raise self.dead_error
+        prompt_text, request = self.input_processor.process_inputs(
+            request_id, prompt, params, arrival_time, priority, set(self.request_queues)
+        )
+        queue = self.request_queues[request_id] = RequestOutputCollector(request_id)
+        self._run_output_handler()
+        params = request.sampling_params
+        if params.n == 1:
+            await self._add_one(request, prompt_text, None, 0)
+            return queue
+        parent = ParentRequest(request_id, params)
+        for index in range(params.n):
+            child_id, child_params = parent.get_child_info(index)
+            child = type(request)(
+                **{**vars(request), "request_id": child_id, "sampling_params": child_params}
+            )
+            await self._add_one(child, prompt_text, parent, index)
+        return queue
+
+    async def _add_one(self, request, prompt_text, parent, index) -> None:
+        self.output_processor.add_request(
+            request.request_id,
+            prompt_text,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.arrival_time,
+            parent,
+            index,
+        )
+        await self.engine_core.add_request_async(request)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Run one request; yields its cumulative `RequestOutput` as steps
+        produce them, the last with `finished` set. Closing the generator
+        early (or cancelling the task reading it) aborts the request."""
+        queue: RequestOutputCollector | None = None
+        try:
+            queue = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+            finished = False
+            while not finished:
+                # Take what is there without yielding to the loop first.
+                output = queue.get_nowait() or await queue.get()
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if queue is not None:
+                await self.abort(request_id)
+            raise
+        except EngineDeadError:
+            raise
+        except ValueError:  # refused by the InputProcessor: nothing was queued
+            raise
+        except Exception:
+            await self.abort(request_id)
+            raise
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests (and, for a parent id, its children) in the
+        OutputProcessor and the engine core. No final output is made;
+        unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self.request_queues.pop(rid, None)
+        await self.engine_core.abort_requests_async(self.output_processor.abort_requests(ids))
+
+    # -- the output handler -------------------------------------------------------
+
+    def _run_output_handler(self) -> None:
+        """Start the task that moves outputs from the engine core to the
+        requests' queues (once; it runs until the engine core dies). It
+        holds what it needs, not `self`, so the AsyncLLM can be collected."""
+        if self.output_handler is not None:
+            return
+        self.output_handler = asyncio.get_running_loop().create_task(
+            output_handler(self.engine_core, self.output_processor, self.request_queues),
+            name="AsyncLLM.output_handler",
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine core; requests still waiting raise EngineDeadError."""
+        self.engine_core.shutdown()
+        error = self.engine_core.resources.dead_error()
+        self._dead_error = self._dead_error or error
+        propagate_error(self.request_queues, error)
+        if self.output_handler is not None and not self.output_handler.done():
+            self.output_handler.cancel()
+
+
+async def output_handler(
+    engine_core: AsyncMPClient,
+    output_processor: OutputProcessor,
+    request_queues: dict[str, RequestOutputCollector],
+) -> None:
+    try:
+        while True:
+            outputs = await engine_core.get_output_async()
+            processed = output_processor.process_outputs(outputs.outputs)
+            for request_output in processed.request_outputs:
+                rid = request_output.request_id
+                queue = (
+                    request_queues.pop(rid, None)
+                    if request_output.finished
+                    else request_queues.get(rid)
+                )
+                if queue is not None:
+                    queue.put(request_output)
+            await engine_core.abort_requests_async(processed.reqs_to_abort)
+    except Exception as error:
+        if not isinstance(error, EngineDeadError):
+            # A bug here, not in the engine core; but with no handler no
+            # request could finish: the engine is dead all the same.
+            logger.exception("AsyncLLM output_handler failed.")
+            engine_core.resources.mark_dead(
+                f"AsyncLLM's output handler failed: {type(error).__name__}: {error}"
+            )
+            error = engine_core.resources.dead_error()
+        propagate_error(request_queues, error)
+
+
+def propagate_error(request_queues: dict[str, RequestOutputCollector], error: Exception) -> None:
+    """Every waiting generator raises `error`."""
+    for queue in request_queues.values():
+        queue.put(error)
+    request_queues.clear()
