@@ -152,7 +152,7 @@ def test_throughput_runs_every_baseline_on_the_same_work(tiny_model_dir):
     runs = {r.name: r for r in result.runs}
     assert [r.output_tokens for r in result.runs] == [wanted] * 4 + [
         sum(r.output_len for r in requests[:2])
-    ]
+    ] + [wanted] * 2
     for run in result.runs:
         lens = [r.output_len for r in requests[: run.num_requests]]
         assert [len(o) for o in run.outputs] == lens
@@ -168,9 +168,16 @@ def test_throughput_runs_every_baseline_on_the_same_work(tiny_model_dir):
     exact = sum(len(r.prompt_token_ids) + r.output_len - 1 for r in requests)
     assert runs["engine, batch 4"].computed_tokens == exact
     assert runs[f"engine, KV 2x{spec.max_model_len}"].computed_tokens >= exact
+    # V1 the same: its counts come from its own SchedulerStats.
+    assert runs["V1, batch 4"].computed_tokens == exact
+    assert runs[f"V1, KV 2x{spec.max_model_len}"].computed_tokens >= exact
+    assert runs["V1, batch 4"].outputs == runs["engine, batch 4"].outputs
     assert runs["HF static, batch 4"].kv_cache_tokens == 4 * spec.max_model_len
     assert runs[f"engine, KV 2x{spec.max_model_len}"].kv_cache_tokens == 2 * spec.max_model_len
-    assert set(result.ratios) == {"equal_batch", "equal_kv_memory", "vs_one_at_a_time"}
+    assert set(result.ratios) == {
+        "equal_batch", "equal_kv_memory", "vs_one_at_a_time",
+        "v1_over_classic_equal_batch", "v1_over_classic_equal_kv_memory",
+    }
     assert result.agreement["engine_vs_hf_one_at_a_time"]["compared"] == 2
 
 
@@ -184,8 +191,10 @@ def test_latency_measures_every_request(tiny_model_dir):
         seed=2,
     )
     runs = run_latency(tiny_model_dir("llama"), spec, rate=50.0, chunk_size=16, max_num_seqs=4)
-    assert [run.chunked_prefill for run in runs] == [False, True]
-    assert [run.max_num_batched_tokens for run in runs] == [2048, 16]
+    assert [(run.engine, run.chunked_prefill) for run in runs] == [
+        ("classic", False), ("classic", True), ("V1", True)
+    ]
+    assert [run.max_num_batched_tokens for run in runs] == [2048, 16, 16]
     lens = [r.output_len for r in sample_requests(spec, VOCAB)]
     for run in runs:
         assert [r.output_len for r in run.requests] == lens

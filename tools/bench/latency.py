@@ -14,8 +14,10 @@ passed, and steps the engine while anything is unfinished. Per request:
 Twice, with the same arrivals: chunked prefill off (a step computes every
 admitted prompt whole, up to 2048 tokens, so decodes wait behind long
 prefills) and on (`enable_chunked_prefill`, at most `--chunk-size` tokens a
-step: prompts are split, decodes go first). Reported as p50 and p99 over
-the requests (with few requests, p99 is close to the maximum).
+step: prompts are split, decodes go first); then a third time on the V1
+engine (`use_v1=True`: one budget of `--chunk-size` tokens, chunking by
+default, prefix caching on). Reported as p50 and p99 over the requests
+(with few requests, p99 is close to the maximum).
 
     python -m tools.bench.latency                 # 40 requests at 1 req/s, 20M model
     python -m tools.bench.latency --quick         # 12 requests, tiny model
@@ -56,15 +58,28 @@ class RequestLatency:
 
 @dataclass
 class LatencyRun:
+    engine: str  # "classic" or "V1"
     chunked_prefill: bool
     max_num_batched_tokens: int
     requests: list[RequestLatency]
     seconds: float
 
+    def label(self) -> str:
+        if self.engine == "V1":
+            return "V1"
+        return "chunked prefill" if self.chunked_prefill else "no chunking"
+
+    def key(self) -> str:
+        """Its name in the JSON result."""
+        if self.engine == "V1":
+            return "v1"
+        return "chunked" if self.chunked_prefill else "unchunked"
+
     def summary(self) -> dict:
         ttft = [r.ttft for r in self.requests]
         tpot = [r.tpot for r in self.requests if r.tpot is not None]
         return {
+            "engine": self.engine,
             "chunked_prefill": self.chunked_prefill,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "ttft_p50_ms": percentile(ttft, 50) * 1e3,
@@ -105,9 +120,14 @@ def serve(llm: LLM, requests: list[BenchRequest], arrivals: list[float]) -> Late
         m, n = finished[i].metrics, len(finished[i].outputs[0].token_ids)
         tpot = (m.finished_time - m.first_token_time) / (n - 1) if n > 1 else None
         results.append(RequestLatency(arrivals[i], m.first_token_time - m.arrival_time, tpot, n))
-    sched = engine.scheduler_config
+    config = engine.engine_config
+    sched = config.scheduler_config
     return LatencyRun(
-        sched.enable_chunked_prefill, sched.max_num_batched_tokens, results, time.time() - start
+        "V1" if config.use_v1 else "classic",
+        sched.enable_chunked_prefill,
+        sched.max_num_batched_tokens,
+        results,
+        time.time() - start,
     )
 
 
@@ -119,17 +139,18 @@ def run_latency(
     max_num_seqs: int,
     device: str = "cpu",
 ) -> list[LatencyRun]:
-    """The same arrivals with chunked prefill off, then on."""
+    """The same arrivals with chunked prefill off, then on, then on V1."""
     runs = []
-    for chunked in (False, True):
+    for use_v1, chunked in ((False, False), (False, True), (True, True)):
         llm = LLM(
             model_dir,
             max_model_len=spec.max_model_len,
             max_num_seqs=max_num_seqs,
             enable_chunked_prefill=chunked,
             max_num_batched_tokens=chunk_size if chunked else None,
-            swap_space=0,
             device=device,
+            use_v1=use_v1,
+            **({} if use_v1 else {"swap_space": 0}),
         )
         vocab = llm.llm_engine.model_config.hf_config.vocab_size
         requests = sample_requests(spec, vocab)
@@ -150,7 +171,7 @@ def plot(runs: list[LatencyRun], path) -> None:
 
     fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
-        label = "chunked prefill" if run.chunked_prefill else "no chunking"
+        label = run.label()
         arrivals = [r.arrival for r in run.requests]
         ax_ttft.plot(arrivals, [r.ttft * 1e3 for r in run.requests], "o", ms=4, label=label)
         tpot = sorted(r.tpot * 1e3 for r in run.requests if r.tpot is not None)
@@ -191,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(
         [
             {
+                "engine": s["engine"],
                 "chunked prefill": "on" if s["chunked_prefill"] else "off",
                 "tokens/step": s["max_num_batched_tokens"],
                 "TTFT p50 ms": s["ttft_p50_ms"],
@@ -213,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         "summary": summaries,
         "per_request": {
-            ("chunked" if run.chunked_prefill else "unchunked"): {
+            run.key(): {
                 f: [getattr(r, f) for r in run.requests]
                 for f in ("arrival", "ttft", "tpot", "output_len")
             }

@@ -16,7 +16,11 @@ run is timed in this process, one after the other, on the same weights:
   engine hands out 16-token blocks as they fill, keeping `max_num_seqs` = B;
 - HF one at a time: `generate` on each request alone (no padding), on the
   first `--single-requests` requests of the workload only (it is slow),
-  against the engine's throughput on the whole workload.
+  against the engine's throughput on the whole workload;
+- V1, batch B and V1, KV K x max_model_len: the same two engine runs on the
+  V1 engine (`use_v1=True`, minivllm/v1/) with its defaults (prefix caching
+  and chunked prefill on, 8192 tokens a step), given one block more than
+  the classic engine: V1 keeps block 0 as its null block.
 
 Throughput is generated tokens (each request's own output length) per
 second of wall time, prompt processing included. Greedy tokens are
@@ -138,17 +142,35 @@ def hf_static(hf, requests: list[BenchRequest], batch_size: int, max_model_len: 
     )
 
 
-def make_engine(model_dir: str, max_num_seqs: int, kv_cache_tokens: int, max_model_len: int, **kw):
+def make_engine(
+    model_dir: str,
+    max_num_seqs: int,
+    kv_cache_tokens: int,
+    max_model_len: int,
+    use_v1: bool = False,
+    **kw,
+):
+    if use_v1:  # the same usable blocks: V1's block 0 is its null block
+        kw.update(use_v1=True, num_gpu_blocks_override=kv_cache_tokens // BLOCK_SIZE + 1)
+    else:
+        kw.update(swap_space=0, num_gpu_blocks_override=kv_cache_tokens // BLOCK_SIZE)
     return LLM(
         model_dir,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=kv_cache_tokens // BLOCK_SIZE,
-        swap_space=0,
         seed=0,
         **kw,
     )
+
+
+def engine_counters(llm: LLM) -> tuple[int, int]:
+    """(preemptions, token positions computed) so far, from either engine."""
+    engine = llm.llm_engine
+    if hasattr(engine, "stat_logger"):  # classic
+        stats = engine.stat_logger
+        return stats.total_preemptions, stats.total_prefill_tokens + stats.total_decode_tokens
+    return engine.total_preemptions, engine.total_scheduled_tokens
 
 
 def engine_run(
@@ -158,9 +180,9 @@ def engine_run(
     params = [
         SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests
     ]
-    stats = llm.llm_engine.stat_logger
-    before = (stats.total_preemptions, stats.total_prefill_tokens + stats.total_decode_tokens)
+    before = engine_counters(llm)
     outs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    after = engine_counters(llm)
     return RunResult(
         name,
         batch_size,
@@ -168,8 +190,8 @@ def engine_run(
         len(requests),
         sum(len(o.outputs[0].token_ids) for o in outs),
         seconds,
-        stats.total_prefill_tokens + stats.total_decode_tokens - before[1],
-        num_preemptions=stats.total_preemptions - before[0],
+        after[1] - before[1],
+        num_preemptions=after[0] - before[0],
         outputs=[list(o.outputs[0].token_ids) for o in outs],
     )
 
@@ -252,16 +274,19 @@ def run_throughput(
     max_len = spec.max_model_len
     batch_kv, budget_kv = max_num_seqs * max_len, budget_seqs * max_len
 
-    llm = make_engine(model_dir, max_num_seqs, batch_kv, max_len, device=device, dtype=dtype)
-    warm_up(llm, hf, requests)
-    ours_batch = engine_run(llm, requests, f"engine, batch {max_num_seqs}", max_num_seqs, batch_kv)
-    del llm
-    llm = make_engine(model_dir, max_num_seqs, budget_kv, max_len, device=device, dtype=dtype)
-    warm_up(llm, hf, requests)
-    ours_budget = engine_run(
-        llm, requests, f"engine, KV {budget_seqs}x{max_len}", max_num_seqs, budget_kv
-    )
-    del llm
+
+    def run_engine(use_v1: bool, kv_tokens: int, name: str) -> RunResult:
+        llm = make_engine(
+            model_dir, max_num_seqs, kv_tokens, max_len, use_v1, device=device, dtype=dtype
+        )
+        warm_up(llm, hf, requests)
+        return engine_run(llm, requests, name, max_num_seqs, kv_tokens)
+
+    budget_name = f"KV {budget_seqs}x{max_len}"
+    ours_batch = run_engine(False, batch_kv, f"engine, batch {max_num_seqs}")
+    ours_budget = run_engine(False, budget_kv, f"engine, {budget_name}")
+    v1_batch = run_engine(True, batch_kv, f"V1, batch {max_num_seqs}")
+    v1_budget = run_engine(True, budget_kv, f"V1, {budget_name}")
     hf_batch = hf_static(hf, requests, max_num_seqs, max_len)
     hf_budget = hf_static(hf, requests, budget_seqs, max_len)
     hf_single = hf_static(hf, requests[:single_requests], 1, max_len)
@@ -270,6 +295,8 @@ def run_throughput(
         "equal_batch": ours_batch.tokens_per_s / hf_batch.tokens_per_s,
         "equal_kv_memory": ours_budget.tokens_per_s / hf_budget.tokens_per_s,
         "vs_one_at_a_time": ours_batch.tokens_per_s / hf_single.tokens_per_s,
+        "v1_over_classic_equal_batch": v1_batch.tokens_per_s / ours_batch.tokens_per_s,
+        "v1_over_classic_equal_kv_memory": v1_budget.tokens_per_s / ours_budget.tokens_per_s,
     }
     # How many more token positions static batching runs for the same output.
     compute = {
@@ -282,6 +309,8 @@ def run_throughput(
         "engine_batch_vs_engine_budget": agreement(
             ours_batch.outputs, ours_budget.outputs
         ).summary(),
+        "v1_vs_engine_batch": agreement(v1_batch.outputs, ours_batch.outputs).summary(),
+        "v1_budget_vs_engine_budget": agreement(v1_budget.outputs, ours_budget.outputs).summary(),
     }
     model = {
         "architecture": hf.config.architectures[0],
@@ -299,7 +328,7 @@ def run_throughput(
         "budget_seqs": budget_seqs,
         "single_requests": single_requests,
     }
-    runs = [ours_batch, hf_batch, ours_budget, hf_budget, hf_single]
+    runs = [ours_batch, hf_batch, ours_budget, hf_budget, hf_single, v1_batch, v1_budget]
     return ThroughputResult(model, workload, runs, ratios, compute, agree)
 
 
@@ -312,7 +341,7 @@ def plot(result: ThroughputResult, path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     names = [r.name for r in result.runs]
     values = [r.tokens_per_s for r in result.runs]
-    colors = ["tab:blue" if r.name.startswith("engine") else "tab:orange" for r in result.runs]
+    colors = ["tab:orange" if r.name.startswith("HF") else "tab:blue" for r in result.runs]
     bars = ax.barh(names[::-1], values[::-1], color=colors[::-1])
     ax.bar_label(bars, fmt="%.0f", padding=3)
     ax.set_xlabel("generated tokens / s")
@@ -382,7 +411,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, ratio in result.ratios.items():
         extra = result.compute_ratios.get(name)
         note = f" (HF computes {extra:.2f}x the token positions)" if extra else ""
-        print(f"engine / HF, {name.replace('_', ' ')}: {ratio:.2f}x{note}")
+        label = name.replace("_", " ")
+        label = label if name.startswith("v1") else f"engine / HF, {label}"
+        print(f"{label}: {ratio:.2f}x{note}")
     for name, a in result.agreement.items():
         print(
             f"greedy agreement, {name.replace('_', ' ')}: {a['identical']}/{a['compared']} "
