@@ -192,11 +192,14 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests (and, for a parent id, its children) in the
-        OutputProcessor and the engine core. No final output is made;
-        unknown or finished ids are ignored."""
+        OutputProcessor and the engine core. No final output is made: a
+        generator still reading raises asyncio.CancelledError, as with the
+        classic AsyncLLMEngine. Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            self.request_queues.pop(rid, None)
+            queue = self.request_queues.pop(rid, None)
+            if queue is not None:
+                queue.put(asyncio.CancelledError())
         await self.engine_core.abort_requests_async(self.output_processor.abort_requests(ids))
 
     # -- the output handler -------------------------------------------------------
