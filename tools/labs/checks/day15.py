@@ -235,7 +235,7 @@ def format_tables(tables: dict[str, list[dict[str, int]]], names: list[str]) -> 
         for k, v in tables.items()
     }
     width = max(width, *(len(c) for v in cells.values() for c in v))
-    lines = ["step  " + "  ".join(f"{k:<{width}}" for k in tables)]
+    lines = [("step  " + "  ".join(f"{k:<{width}}" for k in tables)).rstrip()]
     for i in range(max(len(v) for v in tables.values())):
         row = [cells[k][i] if i < len(cells[k]) else "(done)" for k in tables]
         lines.append(f"{i:>4}  " + "  ".join(f"{c:<{width}}" for c in row).rstrip())
@@ -716,6 +716,12 @@ def prefix_prompts() -> dict[str, list[int]]:
     (s,) = token_prompts([40])
     (tail,) = token_prompts([10], first=700)
     return {"S": s, "T": s[:32] + tail, "U": s[:32]}
+
+
+def reference_run(index: int) -> V1Run:
+    """Workload `index` of SCHEDULE_WORKLOADS on the reference V1 engine
+    (run once, then remembered)."""
+    return _reference_run(index)
 
 
 @functools.cache
