@@ -65,6 +65,7 @@ def test_hand_worked_admission_blocked_by_free_blocks(admission_trace):
         "enable_prefix_caching": False,
     }
     assert trace.header["dry_run"] is True
+    assert (trace.header["schema_version"], trace.header["engine"]) == (3, "classic")
     a, b = trace.requests["A"], trace.requests["B"]
     assert (a["arrival_step"], len(a["prompt_token_ids"])) == (0, 100)
     assert (b["arrival_step"], len(b["prompt_token_ids"])) == (0, 50)
@@ -470,7 +471,7 @@ def _rewrite(path: Path, out: Path, number: int, change) -> Path:
             r"request ids \['Z'\] have no request line",
         ),
         (4, lambda s: s.update(num_batched_tokens=99), "num_batched_tokens is not the sum"),
-        (1, lambda h: h.update(schema_version=1), "schema_version 1, this tracer reads version 2"),
+        (1, lambda h: h.update(schema_version=1), "schema_version 1, this tracer reads version 3"),
         (1, lambda h: h.update(type="step"), "a trace starts with its header line"),
         (4, lambda s: s["timings"].pop("execute_ms"), "step line: timings has no 'execute_ms'"),
         (4, lambda s: s.update(colour="red"), "step line has an unknown field 'colour'"),

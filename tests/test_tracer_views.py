@@ -425,7 +425,7 @@ def bad_traces(good: Path, out: Path) -> list[tuple[Path, str]]:
         "empty.jsonl": ([], ": not a trace: no header line (the file is empty)"),
         "v2.jsonl": (
             _edit(lines, 1, lambda h: h.update(schema_version=1)),
-            ":1: schema_version 1, this tracer reads version 2",
+            ":1: schema_version 1, this tracer reads version 3",
         ),
     }
     cases = []

@@ -25,7 +25,9 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
+from minivllm.config import EngineConfig
 from minivllm.engine.step_observer import StepRecord, queue_request_ids
+from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import SequenceGroup
 
 if TYPE_CHECKING:
@@ -33,8 +35,9 @@ if TYPE_CHECKING:
 
 # The format's version, the one number in Python: the tracer
 # (minivllm/tracer/schema.py) reads the version trace_schema.json names, and
-# tests/test_tracer.py checks that it is this one.
-SCHEMA_VERSION = 2
+# tests/test_tracer.py checks that it is this one. The V1 engine's writer
+# (minivllm/v1/engine/trace_writer.py) writes the same version.
+SCHEMA_VERSION = 3
 
 
 class TraceWriter:
@@ -55,7 +58,11 @@ class TraceWriter:
         # The block manager's prefix-cache counters are cumulative; a step
         # line holds the step's own queries and hits.
         self._prefix_counts = (bm.prefix_cache_queries, bm.prefix_cache_hits)
-        self._write(_header(engine))
+        self._write(
+            header_line(
+                engine.engine_config, "classic", engine.scheduler.block_manager.watermark_blocks
+            )
+        )
         scheduler = engine.scheduler
         queued = [*scheduler.waiting, *scheduler.running, *scheduler.swapped]
         for seq_group in sorted(queued, key=lambda sg: sg.arrival_time):
@@ -69,23 +76,19 @@ class TraceWriter:
         self._file.flush()
 
     def on_add_request(self, engine: LLMEngine, seq_group: SequenceGroup) -> None:
-        params = seq_group.sampling_params
         prompt_token_ids = list(seq_group.prompt_token_ids)
         prompt = seq_group.prompt
         if prompt is None:
             prompt = engine.tokenizer.decode(prompt_token_ids)
         self._write(
-            {
-                "type": "request",
-                "request_id": seq_group.request_id,
-                "arrival_step": self._num_steps,
-                "prompt": prompt,
-                "prompt_token_ids": prompt_token_ids,
-                "sampling_params": {
-                    f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init
-                },
-                "priority": seq_group.priority,
-            }
+            request_line(
+                seq_group.request_id,
+                self._num_steps,
+                prompt,
+                prompt_token_ids,
+                seq_group.sampling_params,
+                seq_group.priority,
+            )
         )
 
     def on_step(self, engine: LLMEngine, record: StepRecord) -> None:
@@ -174,23 +177,26 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _header(engine: LLMEngine) -> dict[str, Any]:
-    model, cache, sched = engine.model_config, engine.cache_config, engine.scheduler_config
-    parallel = engine.engine_config.parallel_config
+def header_line(engine_config: EngineConfig, engine: str, watermark_blocks: int) -> dict[str, Any]:
+    """The header: which engine ("classic" or "v1") and its configuration.
+    V1 has no CPU swap pool and no watermark: it writes 0 for both."""
+    model, cache = engine_config.model_config, engine_config.cache_config
+    sched, parallel = engine_config.scheduler_config, engine_config.parallel_config
     mode = sched.preemption_mode
     return {
         "type": "header",
         "schema_version": SCHEMA_VERSION,
+        "engine": engine,
         "model": model.model,
         "dry_run": model.dry_run,
-        "device": engine.engine_config.device_config.device,
+        "device": engine_config.device_config.device,
         "max_model_len": model.max_model_len,
         "vocab_size": model.hf_config.vocab_size,
         "cache_config": {
             "block_size": cache.block_size,
             "num_gpu_blocks": cache.num_gpu_blocks,
-            "num_cpu_blocks": cache.num_cpu_blocks,
-            "watermark_blocks": engine.scheduler.block_manager.watermark_blocks,
+            "num_cpu_blocks": cache.num_cpu_blocks if engine == "classic" else 0,
+            "watermark_blocks": watermark_blocks,
             "enable_prefix_caching": cache.enable_prefix_caching,
         },
         "scheduler_config": {
@@ -204,6 +210,28 @@ def _header(engine: LLMEngine) -> dict[str, Any]:
             "tensor_parallel_size": parallel.tensor_parallel_size,
             "distributed_executor_backend": parallel.distributed_executor_backend,
         },
+    }
+
+
+def request_line(
+    request_id: str,
+    arrival_step: int,
+    prompt: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    priority: int,
+) -> dict[str, Any]:
+    """A request line (the same for both engines)."""
+    return {
+        "type": "request",
+        "request_id": request_id,
+        "arrival_step": arrival_step,
+        "prompt": prompt,
+        "prompt_token_ids": prompt_token_ids,
+        "sampling_params": {
+            f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init
+        },
+        "priority": priority,
     }
 
 

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from minivllm.tracer.errors import TracerError
 from minivllm.tracer.facts import batch_summary, events
 from minivllm.tracer.style import MAX_POOL_CELLS, POOL_COLUMNS, SEQ_COLORS
 from minivllm.tracer.trace import MAX_STEPS_AT_ONCE, Trace
@@ -30,8 +31,8 @@ _SCRIPT = Path(__file__).with_name("page.js")
 
 def trace_html(trace: Trace) -> str:
     """A table of the steps (the first MAX_STEPS_AT_ONCE of a longer trace):
-    batch, queue lengths, free blocks, events."""
-    cache = trace.header["cache_config"]
+    batch, queue lengths, free blocks, events. (A V1 trace has two queues.)"""
+    queues = ("waiting", "running") if trace.is_v1 else ("waiting", "running", "swapped")
     rows = []
     for step in trace.steps[:MAX_STEPS_AT_ONCE]:
         q = step["queues_after"]
@@ -39,18 +40,22 @@ def trace_html(trace: Trace) -> str:
             step["step"],
             batch_summary(step),
             step["num_batched_tokens"],
-            f"{len(q['waiting'])} / {len(q['running'])} / {len(q['swapped'])}",
-            f"{step['free_blocks']['gpu']}/{cache['num_gpu_blocks']}",
+            " / ".join(str(len(q[name])) for name in queues),
+            f"{step['free_blocks']['gpu']}/{trace.usable_gpu_blocks}",
             "; ".join(events(step)),
         ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     head = "".join(
         f"<th>{h}</th>"
-        for h in ("step", "batch", "tokens", "waiting / running / swapped", "free gpu", "events")
+        for h in ("step", "batch", "tokens", " / ".join(queues), "free gpu", "events")
     )
+    if trace.is_v1:
+        how = "a V1 trace: <code>minivllm-trace show TRACE --step N</code> shows step N."
+    else:
+        how = "<code>trace.step(n)</code> draws step n."
     note = (
         f"<p>{html.escape(trace.header['model'])}: {len(trace.requests)} requests, "
-        f"{len(trace.steps)} steps. <code>trace.step(n)</code> draws step n.</p>"
+        f"{len(trace.steps)} steps; {how}</p>"
     )
     if len(trace.steps) > MAX_STEPS_AT_ONCE:
         note += f"<p>The first {MAX_STEPS_AT_ONCE} steps; <code>trace.steps[n]</code> has all.</p>"
@@ -130,7 +135,13 @@ def page_data(trace: Trace, steps: range) -> dict[str, Any]:
 
 
 def trace_page(trace: Trace, title: str = "minivllm trace", steps: range | None = None) -> str:
-    """The steps (all, or those in `steps`) on one page, one at a time under a slider."""
+    """The steps (all, or those in `steps`) on one page, one at a time under
+    a slider. The page draws the classic engine's steps; a V1 trace is refused."""
+    if trace.is_v1:
+        raise TracerError(
+            "render -o FILE.html draws the classic engine's steps (sequences, the CPU swap "
+            "pool); this is a V1 trace: see its steps with minivllm-trace show TRACE"
+        )
     steps = range(len(trace.steps)) if steps is None else steps
     # "</script>" or "<!--" in a request id would end or upset the script
     # element: JSON may write every "<" as "\u003c", which HTML leaves alone.

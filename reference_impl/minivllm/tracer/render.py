@@ -103,8 +103,20 @@ def _queues_label(step: dict[str, Any]) -> str:
     )
 
 
+def refuse_v1(trace: Trace, what: str) -> None:
+    """The diagrams draw the classic engine's step (sequences, swap pool):
+    a V1 trace is shown by `show` instead."""
+    if trace.is_v1:
+        raise TracerError(
+            f"{what} draws the classic engine's steps (sequences, the CPU swap pool); this is "
+            "a V1 trace: see its steps with minivllm-trace show TRACE --step N, its requests "
+            "with minivllm-trace summary TRACE or timeline"
+        )
+
+
 def step_graph(trace: Trace, n: int) -> graphviz.Digraph:
     """The diagram of step `n`, the state once the step is done."""
+    refuse_v1(trace, "render")
     require_dot()
     step = trace.steps[n]
     cache = trace.header["cache_config"]

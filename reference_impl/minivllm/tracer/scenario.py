@@ -18,6 +18,10 @@ A scenario is YAML or JSON:
         max_tokens: 3                 # and any other SamplingParams field
         priority: 0                   # with scheduling_policy: priority
 
+With `use_v1: true` among the engine options (or `-e use_v1=true`), the
+scenario plays on the V1 engine (minivllm/v1/; no dry run) into a V1 trace.
+Claims about what V1 never does (swaps, copy-on-write) are then not shown.
+
 Prompts given by length are pseudo-random token ids (no special tokens),
 the same on every run; a prefix is the same ids in every request using it.
 
@@ -148,6 +152,12 @@ def _engine(
     kwargs = {**scenario.engine, **overrides}
     try:
         args = EngineArgs.from_kwargs("the engine options", model=model, dry_run=dry_run, **kwargs)
+        if args.resolve_use_v1():  # use_v1: true (or MINIVLLM_USE_V1=1): V1, traced in-process
+            from minivllm.v1.engine.llm_engine import LLMEngine as V1LLMEngine
+
+            return V1LLMEngine.from_engine_args(
+                args, trace=str(trace_path), multiprocess_mode=False
+            )
         return LLMEngine.from_engine_args(args, trace=str(trace_path))
     except (TypeError, ValueError, OSError) as e:
         raise ScenarioError(f"{scenario.name}: {e}") from e
@@ -252,7 +262,7 @@ def _token_budget_split(trace: Trace) -> str | None:
     of max_num_batched_tokens, though blocks were free for the next one."""
     budget = trace.header["scheduler_config"]["max_num_batched_tokens"]
     for step in trace.steps:
-        admitted = [e for e in step["scheduled"] if e["is_prefill"]]
+        admitted = [e for e in step["scheduled"] if trace.is_prefill(e)]
         waiting = step["queues_after"]["waiting"]
         # (With nothing finished, the free blocks after the step are those
         # the scheduler saw last.)
@@ -282,8 +292,8 @@ def _preempted(mode: str) -> Callable[[Trace], str | None]:
 
 def _swapped_back(trace: Trace) -> str | None:
     """Blocks go out to the CPU pool and come back."""
-    out = next((s["step"] for s in trace.steps if s["swap_out"]), None)
-    back = next((s["step"] for s in trace.steps if s["swap_in"]), None)
+    out = next((s["step"] for s in trace.steps if s.get("swap_out")), None)  # none in V1
+    back = next((s["step"] for s in trace.steps if s.get("swap_in")), None)
     if out is not None and back is not None and out < back:
         return f"swapped out in step {out}, back in step {back}"
     return None
@@ -292,7 +302,7 @@ def _swapped_back(trace: Trace) -> str | None:
 def _copy_on_write(trace: Trace) -> str | None:
     """A shared block is copied before a sequence writes into it."""
     for step in trace.steps:
-        if step["copy"]:
+        if step.get("copy"):  # V1 never copies
             return f"step {step['step']}: copy-on-write of blocks {step['copy']}"
     return None
 
@@ -301,7 +311,8 @@ def _prefix_cache_hit(trace: Trace) -> str | None:
     """A prompt's first blocks are found in the prefix cache."""
     for step in trace.steps:
         if step["prefix_cache"] and step["prefix_cache"]["hits"]:
-            return f"step {step['step']}: {step['prefix_cache']['hits']} cached blocks reused"
+            unit = "tokens" if trace.is_v1 else "blocks"
+            return f"step {step['step']}: {step['prefix_cache']['hits']} cached {unit} reused"
     return None
 
 
@@ -310,8 +321,8 @@ def _chunked_prefill(trace: Trace) -> str | None:
     for step in trace.steps:
         for e in step["scheduled"]:
             prompt_len = len(trace.requests[e["request_id"]]["prompt_token_ids"])
-            partial = e["is_prefill"] and e["positions"][-1] + 1 < prompt_len
-            beside_decode = any(not d["is_prefill"] for d in step["scheduled"])
+            partial = trace.is_prefill(e) and e["positions"][-1] + 1 < prompt_len
+            beside_decode = any(not trace.is_prefill(d) for d in step["scheduled"])
             if partial and beside_decode:
                 return (
                     f"step {step['step']}: {e['request_id']} prefills positions "

@@ -32,6 +32,9 @@ from minivllm.tracer.errors import TraceError
 
 SCHEMA_PATH = Path(__file__).with_name("trace_schema.json")
 LINE_TYPES = ("header", "request", "step")
+ENGINES = ("classic", "v1")
+# A step line's definition in trace_schema.json, by the header's engine.
+STEP_DEFS = {"classic": "step", "v1": "step_v1"}
 
 
 # -- strict JSON ----------------------------------------------------------------------
@@ -279,23 +282,31 @@ SCHEMA_VERSION: int = contract()["$defs"]["header"]["properties"]["schema_versio
 
 @cache
 def line_checks() -> dict[str, Check]:
-    """Line type -> the check of `$defs/<type>` in trace_schema.json. The
-    schema's top level is "one of" those; dispatching on `type` gives the
-    error of the line's own kind rather than "none of three matched"."""
+    """Definition name -> the check of `$defs/<name>` in trace_schema.json,
+    for each line type and each engine's step ("step", "step_v1"); "step?"
+    is either step, as the schema's top level ("one of" them all) says.
+    Dispatching on `type` (and the header's engine) gives the error of the
+    line's own kind rather than "none of four matched"."""
     defs, done = contract()["$defs"], {}
-    return {kind: _compile({"$ref": f"#/$defs/{kind}"}, defs, done) for kind in LINE_TYPES}
+    names = ("header", "request", *STEP_DEFS.values())
+    checks = {name: _compile({"$ref": f"#/$defs/{name}"}, defs, done) for name in names}
+    checks["step?"] = _one_of_check([checks[name] for name in STEP_DEFS.values()])
+    return checks
 
 
-def check_line(line: Any) -> None:
-    """Check one parsed line against the JSON Schema; raises _Invalid."""
+def check_line(line: Any, engine: str | None = None) -> None:
+    """Check one parsed line against the JSON Schema; raises _Invalid. A
+    step line is checked as a step of `engine` (the header's), or as either
+    kind when it is None, as the schema alone does."""
     if type(line) is not dict:
         raise _Invalid(f"the line is {_describe(line)}, not an object: a line is one JSON object")
     kind = line.get("type")
     if kind not in LINE_TYPES:
         got = "no 'type'" if "type" not in line else f"type {_shown(kind)}"
         raise _Invalid(f"the line has {got}; a line's type is 'header', 'request' or 'step'")
+    name = kind if kind != "step" else STEP_DEFS.get(engine, "step?")
     try:
-        line_checks()[kind](line)
+        line_checks()[name](line)
     except _Invalid as e:
         where = "/".join(reversed(e.where))
         e.message = f"{kind} line: {where} {e.message}" if where else f"{kind} line {e.message}"
@@ -332,6 +343,10 @@ class _Rules:
         self.num_steps += 1
         return errors
 
+    @property
+    def engine(self) -> str | None:
+        return None if self.header is None else self.header["engine"]
+
     def check_step(self, step: dict[str, Any]) -> list[str]:
         errors = []
         if step["step"] != self.num_steps:
@@ -340,12 +355,18 @@ class _Rules:
         if unknown:
             errors.append(f"request ids {sorted(unknown)} have no request line before this step")
         errors += _batch_errors(step)
+        if self.engine == "v1":
+            return errors + self.v1_errors(step)
         for field in ("block_tables", "sampled"):
             missing = set(step[field]) - set(step["seqs"])
             if missing:
                 errors.append(f"{field} names seqs {sorted(map(int, missing))} that seqs lacks")
         errors += self.pool_errors(step)
         return errors
+
+    def v1_errors(self, step: dict[str, Any]) -> list[str]:
+        assert self.header is not None
+        return _v1_errors(step, self.header["cache_config"]["num_gpu_blocks"])
 
     def pool_errors(self, step: dict[str, Any]) -> list[str]:
         """Blocks index their pool: no block number or free count beyond it."""
@@ -370,15 +391,63 @@ class _Rules:
         return errors
 
 
+def _v1_errors(step: dict[str, Any], num_gpu_blocks: int) -> list[str]:
+    """SCHEMA.md's rules for a V1 step line."""
+    errors = []
+    listed = [r["request_id"] for r in step["requests"]]
+    if len(set(listed)) != len(listed):
+        errors.append("requests lists a request more than once")
+    batch = [e["request_id"] for e in step["scheduled"]]
+    if len(set(batch)) != len(batch):
+        errors.append("scheduled lists a request more than once")
+    for field in ("block_tables", "sampled"):
+        missing = set(step[field]) - set(listed)
+        if missing:
+            errors.append(f"{field} names requests {sorted(missing)} that requests lacks")
+    for e in step["scheduled"]:
+        start = e["num_computed_tokens"]
+        if e["positions"] != list(range(start, start + e["num_tokens"])):
+            errors.append(
+                f"request {e['request_id']}: positions are not num_computed_tokens onwards"
+            )
+    queue, cached = step["free_queue"]["block_ids"], step["free_queue"]["cached"]
+    if len(queue) != step["free_blocks"]["gpu"]:
+        free = step["free_blocks"]["gpu"]
+        errors.append(f"free_queue holds {len(queue)} blocks, free_blocks.gpu says {free}")
+    if len(set(queue)) != len(queue):
+        errors.append("free_queue holds a block more than once")
+    in_queue = set(queue)
+    if [b for b in queue if b in set(cached)] != cached:
+        errors.append("free_queue.cached is not a subsequence of free_queue.block_ids")
+    if any(b >= num_gpu_blocks for b in queue):
+        errors.append(f"free_queue holds blocks beyond the {num_gpu_blocks} of the pool")
+    for rid, table in step["block_tables"].items():
+        beyond = [b for b in table if b >= num_gpu_blocks]
+        if beyond:
+            errors.append(
+                f"request {rid}'s block table has blocks {beyond}, beyond the "
+                f"{num_gpu_blocks} of the pool"
+            )
+        both = sorted(in_queue.intersection(table))
+        if both:
+            errors.append(f"request {rid}'s block table has blocks {both} of the free queue")
+    return errors
+
+
 def _request_ids(step: dict[str, Any]) -> set[str]:
     """Every request id a step line names."""
     named = {e["request_id"] for e in step["scheduled"]}
     for queues in (step["queues_before"], step["queues_after"]):
         named.update(rid for ids in queues.values() for rid in ids)
-    named.update(seq["request_id"] for seq in step["seqs"].values())
     named.update(p["request_id"] for p in step["preempted"])
     named.update(f["request_id"] for f in step["finished"])
-    named.update(step["ignored"])
+    if "seqs" in step:  # the classic engine's step
+        named.update(seq["request_id"] for seq in step["seqs"].values())
+        named.update(step["ignored"])
+    else:  # V1's
+        named.update(r["request_id"] for r in step["requests"])
+        named.update(step["block_tables"])
+        named.update(step["sampled"])
     return named
 
 
@@ -387,9 +456,9 @@ def _batch_errors(step: dict[str, Any]) -> list[str]:
     for e in step["scheduled"]:
         lengths = {len(e[k]) for k in ("token_ids", "positions", "slot_mapping")}
         if lengths != {e["num_tokens"]}:
+            who = f"seq {e['seq_id']}" if "seq_id" in e else f"request {e['request_id']}"
             errors.append(
-                f"seq {e['seq_id']}: num_tokens, token_ids, positions and slot_mapping "
-                "disagree in length"
+                f"{who}: num_tokens, token_ids, positions and slot_mapping disagree in length"
             )
     if sum(e["num_tokens"] for e in step["scheduled"]) != step["num_batched_tokens"]:
         errors.append("num_batched_tokens is not the sum of the scheduled num_tokens")
@@ -444,7 +513,7 @@ def read_trace(path: str | Path) -> tuple[list[dict[str, Any]], bool]:
         if problem:
             raise TraceError(path, number, problem)
         try:
-            check_line(line)
+            check_line(line, rules.engine)
         except _Invalid as e:
             raise TraceError(path, number, e.message) from None
         errors = rules.check(number, line)

@@ -6,6 +6,12 @@ step in full: the queues before and after,
 the batch token by token (ids, positions, slots), every block table over a
 strip of the device pool, the block moves and samples, and what changed
 since the step before.
+
+A V1 trace (header engine "v1") shows V1's step: the batch as each
+request's computed tokens catching up ("A 0→16": 16 computed this step),
+two queues (no swapped one), the requests with their computed tokens and
+preemptions, block tables by request, the free queue in eviction order
+with its cached blocks marked, and the step's prefix-cache lookups.
 """
 
 from __future__ import annotations
@@ -55,16 +61,23 @@ def _queue_text(ids: list[str]) -> str:
 
 
 def overview(trace: Trace, steps: range | None = None) -> Table:
-    """One row per step: all of them, or those in `steps`."""
+    """One row per step: all of them, or those in `steps`. (V1 has no
+    swapped queue: no "swap" column; its batch is "request computed→after".)"""
     steps = range(len(trace.steps)) if steps is None else steps
     title = f"{len(trace.steps)} steps"
+    if trace.is_v1:
+        title += " (V1)"
     if len(steps) < len(trace.steps):
         title = f"steps {steps.start} to {steps.stop - 1} of {len(trace.steps)}"
     table = Table(title=title, title_justify="left")
-    for name in ("step", "batch", "tokens", "wait", "run", "swap", "free gpu", "events"):
+    names = ["step", "batch", "tokens", "wait", "run", "swap", "free gpu", "events"]
+    if trace.is_v1:
+        names.remove("swap")
+    for name in names:
         table.add_column(name, justify="right" if name in ("step", "tokens") else "left")
     for step in trace.steps[steps.start : steps.stop]:
         q = step["queues_after"]
+        swapped = [] if trace.is_v1 else [str(len(q["swapped"]))]
         add_plain_row(
             table,
             str(step["step"]),
@@ -72,8 +85,8 @@ def overview(trace: Trace, steps: range | None = None) -> Table:
             str(step["num_batched_tokens"]),
             str(len(q["waiting"])),
             str(len(q["running"])),
-            str(len(q["swapped"])),
-            f"{step['free_blocks']['gpu']}/{trace.num_gpu_blocks}",
+            *swapped,
+            f"{step['free_blocks']['gpu']}/{trace.usable_gpu_blocks}",
             "; ".join(events(step)),
         )
     return table
@@ -183,7 +196,180 @@ def changes(prev: dict[str, Any] | None, step: dict[str, Any]) -> list[str]:
     return out
 
 
+# -- V1 steps ---------------------------------------------------------------------------
+
+
+def request_color(trace: Trace, request_id: str) -> str:
+    """A V1 request's colour: by its place among the trace's requests."""
+    order = {rid: i for i, rid in enumerate(trace.requests)}
+    return seq_color(order.get(request_id, 0))
+
+
+def _v1_queues_table(step: dict[str, Any]) -> Table:
+    table = Table(title="queues", title_justify="left")
+    for name in ("queue", "before", "after"):
+        table.add_column(name)
+    for queue in ("waiting", "running"):
+        before, after = step["queues_before"][queue], step["queues_after"][queue]
+        add_plain_row(table, queue, _queue_text(before), _queue_text(after))
+    return table
+
+
+def _v1_batch_table(trace: Trace, step: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"batch: {step['num_batched_tokens']} tokens (num_computed_tokens catching up)",
+        title_justify="left",
+    )
+    columns = ("request", "computed", "tokens", "after", "positions", "token ids", "slots")
+    for name in (*columns, "sampled"):
+        right = name in ("computed", "tokens", "after")
+        table.add_column(name, justify="right" if right else "left")
+    for e in step["scheduled"]:
+        sampled = step["sampled"].get(e["request_id"])
+        add_plain_row(
+            table,
+            Text(e["request_id"], style=request_color(trace, e["request_id"])),
+            str(e["num_computed_tokens"]),
+            f"+{e['num_tokens']}",
+            str(e["num_computed_tokens"] + e["num_tokens"]),
+            ranges(e["positions"]),
+            abbreviate(e["token_ids"]),
+            ranges(e["slot_mapping"]),
+            "-" if sampled is None else str(sampled),
+        )
+    return table
+
+
+def _v1_requests_table(trace: Trace, step: dict[str, Any]) -> Table:
+    table = Table(title="requests after the step", title_justify="left")
+    for name in ("request", "status", "tokens", "computed", "preemptions", "blocks"):
+        left = name in ("request", "status", "blocks")
+        table.add_column(name, justify="left" if left else "right")
+    for r in step["requests"]:
+        blocks = step["block_tables"].get(r["request_id"])
+        add_plain_row(
+            table,
+            Text(r["request_id"], style=request_color(trace, r["request_id"])),
+            r["status"],
+            str(r["num_tokens"]),
+            str(r["num_computed_tokens"]),
+            str(r["num_preemptions"]),
+            "-" if not blocks else " ".join(map(str, blocks)),
+        )
+    return table
+
+
+def _v1_pool(trace: Trace, step: dict[str, Any]) -> Group:
+    """The pool strip (block 0 is the null block), and the free queue in
+    eviction order, cached blocks marked with *."""
+    free, usable = step["free_blocks"]["gpu"], trace.usable_gpu_blocks
+    queue, cached = step["free_queue"]["block_ids"], set(step["free_queue"]["cached"])
+    lines = [Text(f"free blocks: {free}/{usable} (block 0 is the null block)", style="bold")]
+    if trace.num_gpu_blocks > _POOL_STRIP_MAX:
+        lines.append(Text(f"device pool: {usable - free} of {usable} blocks in use"))
+    else:
+        owner: dict[int, str] = {}
+        for rid, table in step["block_tables"].items():
+            for block in table:
+                owner.setdefault(block, rid)
+        refs = ref_counts(step)
+        strip = Text("device pool: ")
+        for block in range(trace.num_gpu_blocks):
+            if block == 0:
+                strip.append("∅", style="grey50")
+            elif block in owner:
+                cell = str(refs[block]) if refs[block] > 1 else "■"
+                strip.append(cell, style=request_color(trace, owner[block]))
+            elif block in cached:
+                strip.append("*", style="grey70")
+            else:
+                strip.append("·", style="grey50")
+        lines.append(strip)
+    shown = queue if len(queue) <= 64 else queue[:64]
+    text = " ".join(f"{b}*" if b in cached else str(b) for b in shown)
+    more = f" … {len(queue) - len(shown)} more" if len(shown) < len(queue) else ""
+    lines.append(
+        Text(
+            f"free queue, next evicted first ({len(cached)} of {len(queue)} still cached, *): "
+            f"{text or '-'}{more}"
+        )
+    )
+    return Group(*lines)
+
+
+def _v1_changes(prev: dict[str, Any] | None, step: dict[str, Any]) -> list[str]:
+    out = []
+    before, after = step["queues_before"], step["queues_after"]
+    where_before = {rid: q for q, ids in before.items() for rid in ids}
+    where_after = {rid: q for q, ids in after.items() for rid in ids}
+    for rid, q in where_after.items():
+        if where_before.get(rid, "new") != q:
+            out.append(f"{rid}: {where_before.get(rid, 'new')} → {q}")
+    for rid in where_before:
+        if rid not in where_after:
+            out.append(f"{rid}: {where_before[rid]} → done")
+    old_tables = prev["block_tables"] if prev else {}
+    for rid, table in step["block_tables"].items():
+        old = old_tables.get(rid, [])
+        gained = [b for b in table if b not in old]
+        if gained:
+            out.append(f"{rid} gets blocks {' '.join(map(str, gained))}")
+    for rid, old in old_tables.items():
+        if rid not in step["block_tables"] and old:
+            out.append(f"{rid} frees its blocks {' '.join(map(str, old))} (to the queue's tail)")
+    if prev is not None:
+        was_cached = set(prev["free_queue"]["cached"])
+        now_cached = set(step["free_queue"]["cached"])
+        in_tables = {b for table in step["block_tables"].values() for b in table}
+        evicted = sorted(b for b in was_cached - now_cached if b not in in_tables)
+        reused = sorted(b for b in was_cached - now_cached if b in in_tables)
+        if reused:
+            out.append(
+                f"cached blocks {' '.join(map(str, reused))} leave the free queue "
+                "(a prefix hit, or handed out and overwritten)"
+            )
+        if evicted:
+            out.append(f"blocks {' '.join(map(str, evicted))} lose their cached hash")
+    return out
+
+
+def _v1_step_detail(trace: Trace, n: int) -> Group:
+    step = trace.steps[n]
+    t = step["timings"]
+    title = Text(
+        f"step {n} (V1) · {step['num_batched_tokens']} tokens · schedule "
+        f"{t['schedule_ms']:.2f} ms · execute {t['execute_ms']:.2f} ms · update "
+        f"{t['update_ms']:.2f} ms · process {t['process_ms']:.2f} ms",
+        style="bold",
+    )
+    parts: list[Any] = [
+        title,
+        _v1_queues_table(step),
+        _v1_batch_table(trace, step),
+        _v1_requests_table(trace, step),
+        _v1_pool(trace, step),
+    ]
+    cache = step["prefix_cache"]
+    if cache is not None:
+        parts.append(
+            Text(
+                f"prefix cache this step: {cache['hits']} of {cache['queries']} tokens hit "
+                f"(new requests); {cache['preempted_hits']} of {cache['preempted_queries']} "
+                "(resumed after preemption)"
+            )
+        )
+    happened = events(step)
+    if happened:
+        parts.append(Text("events: " + "; ".join(happened)))
+    prev = trace.steps[n - 1] if n > 0 else None
+    parts.append(Text(f"changes since {'step ' + str(n - 1) if prev else 'the start'}:"))
+    parts += [Text("  " + c) for c in _v1_changes(prev, step)] or [Text("  none")]
+    return Group(*parts)
+
+
 def step_detail(trace: Trace, n: int) -> Group:
+    if trace.is_v1:
+        return _v1_step_detail(trace, n)
     step = trace.steps[n]
     t = step["timings"]
     title = Text(

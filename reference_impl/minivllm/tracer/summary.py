@@ -7,6 +7,11 @@ step time), preemptions, prompt tokens found in the prefix cache
 ("cached"), and how and when it finished. In total: tokens, preemptions, block
 moves, prefix-cache hit rate, and KV-cache utilisation over time (the share
 of device blocks in use after each step, as a sparkline).
+
+A V1 trace has no swap pool and no copy-on-write ("blocks moved" says
+so), counts prefix-cache lookups in tokens (those of requests resumed
+after preemption apart), and adds the tokens computed again after
+preemptions. Its "prefill" tokens are those `Trace.is_prefill` calls so.
 """
 
 from __future__ import annotations
@@ -75,27 +80,52 @@ def totals(trace: Trace) -> Table:
     used = utilisation(trace)
     moved = t.blocks_moved
     rows = [
+        ("engine", "V1 (minivllm/v1/)" if trace.is_v1 else "classic"),
         ("steps", f"{t.num_steps} ({t.measured_ms:.1f} ms measured)"),
         ("requests", f"{t.num_requests}, {t.num_finished} finished"),
         ("tokens computed", f"{t.prefill_tokens} prefill + {t.decode_tokens} decode"),
-        (
-            "preemptions",
-            f"{t.preemptions['recompute']} recompute, {t.preemptions['swap']} swap",
-        ),
-        (
-            "blocks moved",
-            f"{moved['swap_out']} swapped out, {moved['swap_in']} swapped in, "
-            f"{moved['copy']} copied (copy-on-write)",
-        ),
     ]
+    if trace.is_v1:
+        rows += [
+            (
+                "preemptions",
+                f"{t.preemptions['recompute']} recompute ({t.recomputed_tokens} tokens "
+                "computed again)",
+            ),
+            ("blocks moved", "none: V1 has no swap pool and no copy-on-write"),
+        ]
+    else:
+        rows += [
+            (
+                "preemptions",
+                f"{t.preemptions['recompute']} recompute, {t.preemptions['swap']} swap",
+            ),
+            (
+                "blocks moved",
+                f"{moved['swap_out']} swapped out, {moved['swap_in']} swapped in, "
+                f"{moved['copy']} copied (copy-on-write)",
+            ),
+        ]
     if trace.header["cache_config"]["enable_prefix_caching"]:
         hits, queries = t.prefix_cache_hits, t.prefix_cache_queries
         rate = f"{hits / queries:.0%}" if queries else "-"
-        rows.append(("prefix cache", f"{hits} of {queries} blocks looked up were hits ({rate})"))
+        unit = "tokens" if trace.is_v1 else "blocks"
+        rows.append(("prefix cache", f"{hits} of {queries} {unit} looked up were hits ({rate})"))
+        if trace.is_v1 and t.resumed_queries:
+            rows.append(
+                (
+                    "resumed lookups",
+                    f"{t.resumed_hits} of {t.resumed_queries} tokens of preempted requests "
+                    "were still cached",
+                )
+            )
     if used:
         mean, peak = sum(used) / len(used), max(used)
         rows.append(
-            ("KV-cache use", f"mean {mean:.0%}, peak {peak:.0%} of {trace.num_gpu_blocks} blocks")
+            (
+                "KV-cache use",
+                f"mean {mean:.0%}, peak {peak:.0%} of {trace.usable_gpu_blocks} blocks",
+            )
         )
         rows.append(("use per step", sparkline(used)))
     table = Table(title="totals", title_justify="left", show_header=False)
@@ -111,7 +141,8 @@ def summary(trace: Trace, console: Console | None = None) -> None:
     header = trace.header
     cache = header["cache_config"]
     title = Text(
-        f"{header['model']}{' (dry run)' if header['dry_run'] else ''}: "
+        f"{header['model']}{' (dry run)' if header['dry_run'] else ''}"
+        f"{' (V1)' if trace.is_v1 else ''}: "
         f"{cache['num_gpu_blocks']} blocks of {cache['block_size']} tokens",
         style="bold",
     )

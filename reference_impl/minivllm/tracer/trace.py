@@ -46,7 +46,8 @@ def set_display(
     _display.update(trace_html=trace_html, step_svg=step_svg)
 
 
-# What a request is doing in a step (the timeline's colours).
+# What a request is doing in a step (the timeline's colours). V1 has no
+# phases; its batch entries are called prefill or decode as `Trace.is_prefill` says.
 WAITING = "waiting"  # in the waiting queue: not admitted, or preempted by RECOMPUTE
 PREFILL = "prefill"  # in the batch, computing (part of) its prompt
 DECODE = "decode"  # in the batch, one token per sequence
@@ -94,6 +95,15 @@ class Trace:
     truncated: bool = False  # the last line was incomplete (a killed run)
 
     @property
+    def engine(self) -> str:
+        """"classic" or "v1": which engine wrote it, and so its step lines' form."""
+        return self.header["engine"]
+
+    @property
+    def is_v1(self) -> bool:
+        return self.header["engine"] == "v1"
+
+    @property
     def block_size(self) -> int:
         return self.header["cache_config"]["block_size"]
 
@@ -101,13 +111,31 @@ class Trace:
     def num_gpu_blocks(self) -> int:
         return self.header["cache_config"]["num_gpu_blocks"]
 
+    @property
+    def usable_gpu_blocks(self) -> int:
+        """The device blocks requests can hold: V1 keeps block 0 as its null block."""
+        return self.num_gpu_blocks - (1 if self.is_v1 else 0)
+
+    def is_prefill(self, entry: dict[str, Any]) -> bool:
+        """Whether a batch entry computes prompt (or recomputes known) tokens
+        rather than decoding one new token. The classic engine says so; for
+        V1, which has no phases, it is an entry of several tokens or one
+        inside the prompt."""
+        if "is_prefill" in entry:
+            return entry["is_prefill"]
+        prompt_len = len(self.requests[entry["request_id"]]["prompt_token_ids"])
+        return entry["num_tokens"] > 1 or entry["positions"][0] < prompt_len
+
     def step_ms(self, step: dict[str, Any]) -> float:
         """The step's measured time: schedule + execute + process."""
         return sum(step["timings"].values())
 
     def seq_owners(self) -> dict[int, str]:
-        """seq id -> request id, for every sequence the trace mentions."""
-        owners = {}
+        """seq id -> request id, for every sequence the trace mentions (none
+        for V1, whose steps name requests only)."""
+        owners: dict[int, str] = {}
+        if self.is_v1:
+            return owners
         for step in self.steps:
             for entry in step["scheduled"]:
                 owners[entry["seq_id"]] = entry["request_id"]
@@ -119,6 +147,8 @@ class Trace:
         """What every request did in every step, in arrival order."""
         lives = {rid: Lifecycle(rid, req["arrival_step"]) for rid, req in self.requests.items()}
         owners = self.seq_owners()
+        # V1's `sampled` is keyed by request id, the classic one's by seq id.
+        owner = (lambda key: key) if self.is_v1 else (lambda key: owners[int(key)])
         pending = sorted(lives.values(), key=lambda life: life.arrival_step, reverse=True)
         active: dict[str, Lifecycle] = {}  # arrived and not finished, in arrival order
         for step in self.steps:
@@ -130,12 +160,13 @@ class Trace:
             waiting_before = set(step["queues_before"]["waiting"])
             for entry in step["scheduled"]:
                 rid = entry["request_id"]
+                prefill = self.is_prefill(entry)
                 # An admitted prompt's first chunk starts after its cached prefix.
-                if entry["is_prefill"] and rid not in in_batch and rid in waiting_before:
+                if (prefill or self.is_v1) and rid not in in_batch and rid in waiting_before:
                     lives[rid].prefix_cache_hit_tokens += entry["positions"][0]
-                in_batch[rid] = PREFILL if entry["is_prefill"] else DECODE
-            for seq_id in step["sampled"]:
-                life = lives[owners[int(seq_id)]]
+                in_batch[rid] = PREFILL if prefill else DECODE
+            for key in step["sampled"]:
+                life = lives[owner(key)]
                 life.num_output_tokens += 1
                 if life.first_token_step is None:
                     life.first_token_step = n
@@ -156,7 +187,7 @@ class Trace:
             for done in step["finished"]:
                 rid = done["request_id"]
                 # An ignored prompt finishes with "length", as in vLLM; say why.
-                reason = "ignored" if rid in step["ignored"] else done["finish_reason"]
+                reason = "ignored" if rid in step.get("ignored", ()) else done["finish_reason"]
                 lives[rid].finished = (n, reason)
                 active.pop(rid, None)
         return lives
@@ -173,8 +204,9 @@ class Trace:
 
     def __repr__(self) -> str:
         # Short and free of timings, so notebooks print the same thing every run.
+        engine = " (V1)" if self.is_v1 else ""
         return (
-            f"<Trace: {len(self.steps)} steps, {len(self.requests)} requests, "
+            f"<Trace{engine}: {len(self.steps)} steps, {len(self.requests)} requests, "
             f"block_size {self.block_size}, {self.num_gpu_blocks} GPU blocks>"
         )
 
@@ -192,7 +224,9 @@ class StepView:
 
     def _repr_svg_(self) -> str | None:
         draw = _display.get("step_svg")
-        return None if draw is None else draw(self.trace, self.n)
+        if draw is None or self.trace.is_v1:  # the diagram is of a classic step
+            return None
+        return draw(self.trace, self.n)
 
 
 def load_trace(path: str | Path) -> Trace:

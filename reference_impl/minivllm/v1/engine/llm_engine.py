@@ -15,9 +15,16 @@ step) or, with `multiprocess_mode=True` or
 MINIVLLM_ENABLE_V1_MULTIPROCESSING=1, in a process of its own
 (`SyncMPClient`: it steps on its own and `step` takes the next outputs;
 its death, a SIGKILL say, is an `EngineDeadError` here).
+
+Tools watch the steps through step observers (v1/engine/step_observer.py);
+the tracer's V1 writer (v1/engine/trace_writer.py) is one: `trace=PATH`,
+`start_trace(PATH)` or MINIVLLM_TRACE. Observing needs the engine core in
+this process; the multiprocess one refuses it.
 """
 
 from __future__ import annotations
+
+import time
 
 from minivllm import envs
 from minivllm.config import EngineConfig
@@ -28,10 +35,17 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.transformers_utils.tokenizer import get_tokenizer
 from minivllm.utils import check_bool
+from minivllm.v1.engine import EngineCoreOutputs
 from minivllm.v1.engine.core import get_scheduler_cls
-from minivllm.v1.engine.core_client import EngineCoreClient
+from minivllm.v1.engine.core_client import EngineCoreClient, InprocClient
 from minivllm.v1.engine.input_processor import InputProcessor
-from minivllm.v1.engine.output_processor import OutputProcessor, ParentRequest
+from minivllm.v1.engine.output_processor import (
+    OutputProcessor,
+    OutputProcessorOutput,
+    ParentRequest,
+)
+from minivllm.v1.engine.step_observer import V1StepObserver, V1StepRecord, queue_request_ids
+from minivllm.v1.engine.trace_writer import V1TraceWriter
 
 
 def check_v1_config(engine_config: EngineConfig) -> None:
@@ -71,14 +85,26 @@ def resolve_multiprocess_mode(multiprocess_mode: bool | None) -> bool:
     )
 
 
+_NO_OBSERVING_MP = (
+    "tracing (and any step observer) reads the V1 engine core in this process; this engine "
+    "runs it in a process of its own: pass multiprocess_mode=False (or set "
+    "MINIVLLM_ENABLE_V1_MULTIPROCESSING=0) to trace V1"
+)
+
+
 class LLMEngine:
     def __init__(
         self,
         engine_config: EngineConfig,
         log_stats: bool = False,
         multiprocess_mode: bool | None = None,
+        trace: str | None = None,
     ) -> None:
         check_v1_config(engine_config)
+        multiprocess_mode = resolve_multiprocess_mode(multiprocess_mode)
+        trace = trace or envs.MINIVLLM_TRACE
+        if trace and multiprocess_mode:
+            raise ValueError(_NO_OBSERVING_MP)
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.log_stats = log_stats
@@ -88,7 +114,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(engine_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(
-            multiprocess_mode=resolve_multiprocess_mode(multiprocess_mode),
+            multiprocess_mode=multiprocess_mode,
             asyncio_mode=False,
             engine_config=engine_config,
         )
@@ -98,6 +124,12 @@ class LLMEngine:
         # (the benchmarks read them; vLLM's stat loggers keep the like).
         self.total_scheduled_tokens = 0
         self.total_preemptions = 0
+        self.step_observers: list[V1StepObserver] = []
+        # Outputs of a step whose observer raised: the next step returns them.
+        self._undelivered: list[RequestOutput] = []
+        self.trace_writer: V1TraceWriter | None = None
+        if trace:
+            self.start_trace(trace)
 
     @classmethod
     def from_engine_args(
@@ -106,12 +138,11 @@ class LLMEngine:
         trace: str | None = None,
         multiprocess_mode: bool | None = None,
     ) -> LLMEngine:
-        if trace is not None:
-            raise ValueError("trace= records the classic engine's steps; V1 is not traced yet")
         return cls(
             engine_args.create_engine_config(),
             log_stats=not engine_args.disable_log_stats,
             multiprocess_mode=multiprocess_mode,
+            trace=trace,
         )
 
     def get_tokenizer(self):
@@ -160,6 +191,8 @@ class LLMEngine:
         except EngineDeadError as exc:  # the engine core's process is gone
             self.dead_error = exc
             raise
+        for observer in self.step_observers:
+            observer.on_add_request(self, request.request_id)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Drop requests now (no final output, as vLLM V1). Ids unknown or
@@ -171,7 +204,7 @@ class LLMEngine:
         self._live_request_ids.difference_update(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return self.output_processor.has_unfinished_requests() or bool(self._undelivered)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._live_request_ids)
@@ -194,13 +227,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self._check_alive()
+        record = None
         try:
-            outputs = self.engine_core.get_output()
-            processed = self.output_processor.process_outputs(outputs.outputs)
-            if outputs.scheduler_stats is not None:
-                self.total_scheduled_tokens += outputs.scheduler_stats.num_scheduled_tokens
-                self.total_preemptions += outputs.scheduler_stats.num_preempted_reqs
-            self.engine_core.abort_requests(processed.reqs_to_abort)
+            if self.step_observers:
+                processed, record = self._observed_step()
+            else:
+                processed = self._process_outputs(self.engine_core.get_output())
         except BaseException as exc:
             self.dead_error = exc
             self.engine_core.shutdown()
@@ -208,7 +240,89 @@ class LLMEngine:
         for output in processed.request_outputs:
             if output.finished:
                 self._live_request_ids.discard(output.request_id)
-        return processed.request_outputs
+        request_outputs = self._undelivered + processed.request_outputs
+        self._undelivered = []
+        if record is not None:
+            # After the step is complete: an observer that raises leaves the
+            # engine alive, and the next step returns this one's outputs.
+            try:
+                for observer in self.step_observers:
+                    observer.on_step(self, record)
+            except BaseException:
+                self._undelivered = request_outputs
+                raise
+        return request_outputs
+
+    def _process_outputs(self, outputs: EngineCoreOutputs) -> OutputProcessorOutput:
+        """The front end's half of a step: text, stop strings, stats."""
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if outputs.scheduler_stats is not None:
+            self.total_scheduled_tokens += outputs.scheduler_stats.num_scheduled_tokens
+            self.total_preemptions += outputs.scheduler_stats.num_preempted_reqs
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed
+
+    def _observed_step(self) -> tuple[OutputProcessorOutput, V1StepRecord]:
+        """`EngineCore.step`'s three phases run here, each timed, then the
+        front end's, and a `V1StepRecord` of them."""
+        core = self.engine_core.engine_core
+        scheduler = core.scheduler
+        runner = core.model_executor.driver_worker.model_runner
+        queues_before = queue_request_ids(scheduler)
+        scheduler_output = model_output = inputs = None
+        outputs = EngineCoreOutputs()
+        start = scheduled = executed = time.perf_counter()
+        if scheduler.has_requests():
+            scheduler_output = scheduler.schedule()
+            scheduled = time.perf_counter()
+            model_output = core.model_executor.execute_model(scheduler_output)
+            inputs = runner.last_inputs
+            executed = time.perf_counter()
+            outputs = scheduler.update_from_output(scheduler_output, model_output)
+        updated = time.perf_counter()
+        processed = self._process_outputs(outputs)
+        done = time.perf_counter()
+        record = V1StepRecord(
+            queues_before=queues_before,
+            scheduler_output=scheduler_output,
+            inputs=inputs,
+            model_output=model_output,
+            outputs=outputs,
+            stopped_by_string=list(processed.reqs_to_abort),
+            request_outputs=processed.request_outputs,
+            schedule_ms=(scheduled - start) * 1e3,
+            execute_ms=(executed - scheduled) * 1e3,
+            update_ms=(updated - executed) * 1e3,
+            process_ms=(done - updated) * 1e3,
+        )
+        return processed, record
+
+    # -- watching the steps -------------------------------------------------
+
+    def add_step_observer(self, observer: V1StepObserver) -> None:
+        if not isinstance(self.engine_core, InprocClient):
+            raise ValueError(_NO_OBSERVING_MP)
+        self.step_observers.append(observer)
+
+    def remove_step_observer(self, observer: V1StepObserver) -> None:
+        self.step_observers.remove(observer)
+
+    def start_trace(self, path: str) -> V1TraceWriter:
+        """Write this engine's trace to `path` (JSON Lines, engine "v1";
+        format: minivllm/tracer/SCHEMA.md), replacing any trace it was
+        writing. View it with `minivllm-trace show PATH`."""
+        if not isinstance(self.engine_core, InprocClient):
+            raise ValueError(_NO_OBSERVING_MP)
+        self.stop_trace()
+        self.trace_writer = V1TraceWriter(str(path), self)
+        self.add_step_observer(self.trace_writer)
+        return self.trace_writer
+
+    def stop_trace(self) -> None:
+        if self.trace_writer is not None:
+            self.remove_step_observer(self.trace_writer)
+            self.trace_writer.close()
+            self.trace_writer = None
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

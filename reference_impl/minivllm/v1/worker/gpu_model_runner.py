@@ -23,6 +23,8 @@ rows of the persistent batch to match, as vLLM's `reorder_batch` does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -36,6 +38,25 @@ from minivllm.utils import cdiv
 from minivllm.v1.core.sched.output import SchedulerOutput
 from minivllm.v1.outputs import ModelRunnerOutput
 from minivllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+
+@dataclass
+class StepInputs:
+    """The step's flattened model input, as `_prepare_inputs` built it (the
+    very arrays the model's tensors were made from; the tracer records them).
+
+    req_ids: the batch's rows in order; rows with several tokens come first.
+    num_scheduled_tokens, num_computed_tokens: per row, the tokens computed
+        this step and those with K/V in the cache before it.
+    input_ids, positions, slot_mapping: per token, rows' tokens in row order.
+    """
+
+    req_ids: list[str]
+    num_scheduled_tokens: np.ndarray  # [num_reqs]
+    num_computed_tokens: np.ndarray  # [num_reqs]
+    input_ids: np.ndarray  # [num_tokens]
+    positions: np.ndarray  # [num_tokens]
+    slot_mapping: np.ndarray  # [num_tokens]
 
 
 class GPUModelRunner:
@@ -67,6 +88,9 @@ class GPUModelRunner:
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The last step's model input (None: the model did not run), kept as
+        # the classic worker keeps its FlatBatch: references, not copies.
+        self.last_inputs: StepInputs | None = None
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device, self.attn_backend)
@@ -162,6 +186,14 @@ class GPUModelRunner:
         slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions)
 
         seq_lens = computed + num_scheduled  # [num_reqs] tokens with K/V after the step
+        self.last_inputs = StepInputs(
+            list(batch.req_ids),
+            num_scheduled,
+            computed,
+            input_ids,
+            positions,
+            slot_mapping,
+        )
         num_prefills = int((num_scheduled > 1).sum())  # rows with several tokens come first
 
         def as_tensor(values: np.ndarray) -> torch.Tensor:
@@ -195,6 +227,7 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.last_inputs = None
         self._update_states(scheduler_output)
         batch = self.input_batch
         req_ids = list(batch.req_ids)
