@@ -125,6 +125,9 @@ class BackgroundResources:
     engine_dead: bool = False
     dead_reason: str | None = None
     _waited_for_exit: bool = False
+    # Set once cleaned up. The monitor thread may be cleaning up when the
+    # user calls shutdown(): that call must not return before it is done.
+    cleaned_up: threading.Event = field(default_factory=threading.Event)
 
     def mark_dead(self, reason: str) -> None:
         if not self.engine_dead:
@@ -145,13 +148,16 @@ class BackgroundResources:
 
     def __call__(self) -> None:
         """Stop the process, close the sockets, remove their files."""
-        self.mark_dead("the engine core was shut down")
-        _stop_process(self.proc)
-        if isinstance(self.output_socket, zmq.asyncio.Socket):
-            self._close_async()
-        else:
-            self._close_sync()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        try:
+            self.mark_dead("the engine core was shut down")
+            _stop_process(self.proc)
+            if isinstance(self.output_socket, zmq.asyncio.Socket):
+                self._close_async()
+            else:
+                self._close_sync()
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+        finally:
+            self.cleaned_up.set()
 
     def _close_sync(self) -> None:
         if self.input_socket is not None:
@@ -307,6 +313,7 @@ class MPClient(EngineCoreClient):
         """Ask the engine core to stop, then clean up (terminating it if it
         has not exited). Safe to call twice, and from any thread."""
         if not self._finalizer.alive:
+            self.resources.cleaned_up.wait(timeout=2 * SHUTDOWN_TIMEOUT_S)  # the monitor's
             return
         resources, proc = self.resources, self.resources.proc
         if proc is not None and proc.is_alive() and not resources.engine_dead:
