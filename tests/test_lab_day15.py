@@ -356,3 +356,15 @@ def test_exercise_3_rejects_blocks(mistake, message):
 def test_exercise_3_rejects_no_return():
     with pytest.raises(AssertionError, match=re.escape("did you forget the `return`?")):
         day15.exercise_3(lambda *a: None, _blocks)
+
+
+def test_an_unfinished_exercise_2_stays_unfinished():
+    """The lab's stub raises NotImplementedError inside the engine: the
+    checker lets it through (the lab's cell waits for the learner)."""
+
+    class Unfinished(Scheduler):
+        def schedule(self):
+            raise NotImplementedError("Day 15, exercise 2")
+
+    with pytest.raises(NotImplementedError):
+        day15.exercise_2(Unfinished)
