@@ -1,6 +1,10 @@
-"""vLLM's V1 engine (`vllm/v1/`), beside the classic one, being built.
+"""vLLM's V1 engine (`vllm/v1/`), beside the classic one.
 
-So far: the KV-cache core (`core/kv_cache_utils.py`, `core/block_pool.py`).
-The scheduler, the engine core and the persistent-batch worker come next
-(issue 20); until they exist nothing in the classic engine imports this.
+`LLM(..., use_v1=True)` or MINIVLLM_USE_V1=1 runs it. It shares the classic
+engine's models, attention backends, sampler and detokenizer; what is V1's
+is here: the request and its computed-token count (`request.py`), the KV
+cache with its block pool and free queue (`core/`), the one-budget
+scheduler (`core/sched/`), the engine core and its clients, in-process or
+in a process of its own (`engine/`), and the persistent-batch worker
+(`worker/`). The classic engine imports nothing from here.
 """
