@@ -334,3 +334,23 @@ def test_scenario_runs_on_v1(tiny_model_dir, tmp_path):
     assert trace.is_v1 and len(trace.steps) == steps
     # B arrives at step 2 and finds the 64-token system prompt cached.
     assert trace.lifecycles()["B"].prefix_cache_hit_tokens == 64
+
+
+def test_a_stop_string_is_a_stop_the_engine_core_saw_as_an_abort(tiny_model_dir, tmp_path):
+    """The front end finds stop strings and aborts the request in the
+    engine core: finish_reason "stop", status finished_aborted."""
+    prompt = [{"prompt_token_ids": [3, 4, 5, 6]}]
+    plain = v1_llm(tiny_model_dir("llama"), None, num_gpu_blocks_override=16)
+    (first,) = plain.generate(prompt, GREEDY, use_tqdm=False)[0].outputs
+    # The text of the first two tokens: found before max_tokens ends the request.
+    text = plain.get_tokenizer().decode(first.token_ids[:2])
+    assert text and text in first.text
+    path = tmp_path / "stop.jsonl"
+    llm = v1_llm(tiny_model_dir("llama"), str(path), num_gpu_blocks_override=16)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[text])
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop"
+    last = load_trace(path).steps[-1]
+    assert last["finished"] == [{"request_id": "0", "finish_reason": "stop"}]
+    assert [r["status"] for r in last["requests"]] == ["finished_aborted"]
+    assert last["block_tables"] == {} and last["queues_after"] == {"waiting": [], "running": []}

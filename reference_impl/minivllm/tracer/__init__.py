@@ -1,6 +1,7 @@
 """The tracer's views: what the engine did, step by step.
 
-The engine writes the trace (minivllm/engine/trace_writer.py); this package
+The engines write the trace (minivllm/engine/trace_writer.py, and V1's
+minivllm/v1/engine/trace_writer.py; the header's `engine` says which); this package
 reads it back and shows it: `minivllm-trace` (cli.py) on the command line,
 `load_trace(path)` in Python and Jupyter. The format: SCHEMA.md. A file that
 is not a valid trace raises `TraceError`, naming the file and the line.

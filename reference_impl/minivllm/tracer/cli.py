@@ -2,6 +2,7 @@
 
     minivllm-trace run admission_blocked --dry-run -o run.jsonl
     minivllm-trace run -p "Once upon a time" -p "The cat" --max-tokens 20
+    minivllm-trace run prefix_cache -e use_v1=true -e max_model_len=256   (on V1)
     minivllm-trace show run.jsonl [--step 3 | --steps 100:200]
     minivllm-trace render run.jsonl --step 3 -o step3.svg   (or .png, .pdf)
     minivllm-trace render run.jsonl -o steps.html [--steps 100:200]
