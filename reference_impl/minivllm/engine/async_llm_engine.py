@@ -43,11 +43,10 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Protocol
 
 from minivllm.engine.arg_utils import AsyncEngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptType
-from minivllm.engine.metrics import Stats
+from minivllm.engine.protocol import EngineClient, StepStatLogger
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -57,13 +56,6 @@ logger = logging.getLogger(__name__)
 class AsyncEngineDeadError(RuntimeError):
     """The background loop has stopped (a step failed, or it was shut down):
     no request can run any more (vLLM has the same error)."""
-
-
-class StepStatLogger(Protocol):
-    """What `AsyncLLMEngine.add_logger` takes: shown every step's `Stats` and
-    the `RequestOutput`s it made (the Prometheus logger in metrics.py)."""
-
-    def log(self, stats: Stats, request_outputs: list[RequestOutput]) -> None: ...
 
 
 _STOP = object()  # what a stream's queue holds after its last output
@@ -201,10 +193,11 @@ class RequestTracker:
         self.new_requests_event.clear()
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     """An `LLMEngine` driven by a background asyncio task (see the module's
     docstring). The loop starts with the first request, on the event loop
-    that makes it, and stops for good when that event loop ends.
+    that makes it, and stops for good when that event loop ends. It is the
+    server's `EngineClient` (engine/protocol.py) on the classic engine.
 
     `log_requests`: log a line when a request is added and when it ends.
     """
@@ -274,6 +267,13 @@ class AsyncLLMEngine:
     def remove_logger(self, name: str) -> None:
         del self.stat_loggers[name]
 
+    async def do_log_stats(self) -> None:
+        """Show every stat logger the last step's `Stats` (before the first
+        step, the current state's), with no outputs."""
+        stats = self.engine.get_stats()
+        for stat_logger in self.stat_loggers.values():
+            stat_logger.log(stats, [])
+
     # -- the background loop -------------------------------------------------
 
     def start_background_loop(self) -> None:
@@ -292,6 +292,10 @@ class AsyncLLMEngine:
             self._errored_with = AsyncEngineDeadError("the engine was shut down")
         if self.background_loop is not None:
             self.background_loop.cancel()
+
+    def shutdown(self) -> None:
+        """`EngineClient.shutdown`: the loop's, for good."""
+        self.shutdown_background_loop()
 
     def _on_loop_done(self, task: asyncio.Task) -> None:
         """The loop only ends by an exception or a cancel: fail every request

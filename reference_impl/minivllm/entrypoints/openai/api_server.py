@@ -3,9 +3,15 @@
     python -m minivllm.entrypoints.openai.api_server --model DIR   # or: minivllm serve DIR
 
 FastAPI routes each call to its `OpenAIServing*` object, which hands the
-request to the one `AsyncLLMEngine` and streams its outputs back; uvicorn
+request to the one engine client and streams its outputs back; uvicorn
 serves the app. Routes: POST /v1/completions, /v1/chat/completions,
 /tokenize, /detokenize; GET /v1/models, /health, /metrics, /version.
+
+The engine client (`EngineClient`, engine/protocol.py) is the classic
+`AsyncLLMEngine`, or with --use-v1 (or MINIVLLM_USE_V1=1) V1's `AsyncLLM`,
+whose engine core runs in a process of its own (`build_async_engine_client`,
+as vLLM's). The serving code is the same for both; so is /metrics, whose
+`PrometheusStatLogger` each engine feeds after every step.
 
 Every error is OpenAI's JSON body {"error": {"message", "type", "param",
 "code"}}: 400 for a request that is malformed or out of range (naming the
@@ -22,6 +28,7 @@ import asyncio
 import hmac
 import logging
 import os
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
@@ -37,6 +44,7 @@ from minivllm import envs
 from minivllm.engine.arg_utils import AsyncEngineArgs
 from minivllm.engine.async_llm_engine import AsyncLLMEngine
 from minivllm.engine.metrics import PrometheusStatLogger
+from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints.openai.cli_args import make_arg_parser
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -63,19 +71,20 @@ def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
     chat = OpenAIServingChat(served)
     tokenization = OpenAIServingTokenization(served)
     prometheus = PrometheusStatLogger(labels={"model_name": served.served_model_names[0]})
-    prometheus.log(engine.engine.get_stats(), [])  # every gauge shows from the start
     engine.add_logger("prometheus", prometheus)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await engine.do_log_stats()  # every gauge shows from the start
         yield
-        engine.shutdown_background_loop()
+        engine.shutdown()
 
     app = FastAPI(title="minivllm OpenAI-compatible server", lifespan=lifespan)
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine can serve, 503 once its loop has stopped."""
+        """200 while the engine can serve, 503 once its loop (classic) or its
+        engine core (V1) has stopped."""
         if engine.is_stopped:
             cause = engine.dead_error
             reason = f"{type(cause).__name__}: {cause}" if cause else "it was shut down"
@@ -209,7 +218,7 @@ def served_model_names(args: argparse.Namespace, model_path: str) -> list[str]:
     return args.served_model_name or [args.model or os.path.basename(model_path)]
 
 
-def init_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
+def init_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     model_path = engine.get_model_config().model
     served = ServedModel(
         engine=engine,
@@ -221,10 +230,33 @@ def init_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     return build_app(served, api_key=args.api_key or envs.MINIVLLM_API_KEY)
 
 
+@asynccontextmanager
+async def build_async_engine_client(args: argparse.Namespace) -> AsyncIterator[EngineClient]:
+    """The engine client the options ask for (vLLM's function of the same
+    name): V1's `AsyncLLM` with --use-v1 or MINIVLLM_USE_V1=1, else the
+    classic `AsyncLLMEngine`. It is shut down on the way out, whatever
+    happened, so no engine core process outlives the server."""
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    if engine_args.resolve_use_v1():
+        from minivllm.v1.engine.async_llm import AsyncLLM
+
+        engine: EngineClient = AsyncLLM.from_engine_args(engine_args)
+    else:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
 async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> None:
     """Load the engine, then serve until SIGINT/SIGTERM (uvicorn's handlers:
     stop accepting, let responses finish for a few seconds, shut down)."""
-    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+    async with build_async_engine_client(args) as engine:
+        await _serve(engine, args, **uvicorn_kwargs)
+
+
+async def _serve(engine: EngineClient, args: argparse.Namespace, **uvicorn_kwargs) -> None:
     app = init_app(engine, args)
     config = uvicorn.Config(
         app,
@@ -236,11 +268,12 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs) -> None:
     )
     names = served_model_names(args, engine.get_model_config().model)
     logger.info(
-        "minivllm %s serves %s on http://%s:%d",
+        "minivllm %s serves %s on http://%s:%d (%s)",
         minivllm.__version__,
         ", ".join(names),
         args.host,
         args.port,
+        type(engine).__name__,
     )
     await uvicorn.Server(config).serve()
 

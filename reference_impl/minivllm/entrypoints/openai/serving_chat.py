@@ -53,6 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.apply_chat_template(request.messages, request.add_generation_prompt)
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
         self.check_prompt_tokens(prompt_ids, params.max_tokens)
+        await self.check_engine()  # a stopped engine: 503, before any stream
         request_id = f"chatcmpl-{random_uuid()}"
         created = int(time.time())
         results = self.engine.generate(

@@ -46,6 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         params = sampling_params_of(request)
         prompts = self._tokenize_prompts(request.prompt, params.max_tokens)
+        await self.check_engine()  # a stopped engine: 503, before any stream
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
         results = merge_async_iterators(

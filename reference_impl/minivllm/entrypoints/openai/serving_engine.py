@@ -2,6 +2,9 @@
 model names, the error responses, the model check, the prompt's length
 check, the chat template, and the pieces of a streamed answer.
 
+The engine is an `EngineClient` (engine/protocol.py): the classic
+`AsyncLLMEngine` or V1's `AsyncLLM`, the same code serving from either.
+
 Errors are raised as `OpenAIError` anywhere in a handler and turned into
 OpenAI's JSON body ({"error": {"message", "type", "param", "code"}}) by the
 app's exception handler (api_server.py).
@@ -20,7 +23,8 @@ from typing import TypeVar
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from minivllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from minivllm.engine.async_llm_engine import AsyncEngineDeadError
+from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints.openai.protocol import (
     ChatMessageParam,
     ErrorInfo,
@@ -69,9 +73,10 @@ def error_type(status: HTTPStatus) -> str:
 
 def param_named_in(message: str, fields) -> str | None:
     """The request field a validation message starts with ("top_p must be
-    in (0, 1], got 2" -> "top_p"), if it is one of `fields`."""
+    in (0, 1], got 2" -> "top_p"; "best_of=3 is ..." -> "best_of"), if it
+    is one of `fields`."""
     words = message.split()
-    first = words[0].rstrip(":,") if words else ""
+    first = words[0].rstrip(":,").split("=")[0] if words else ""
     return first if first in fields else None
 
 
@@ -79,7 +84,7 @@ def param_named_in(message: str, fields) -> str | None:
 class ServedModel:
     """The engine, the names it answers to, and the chat template to use."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient
     served_model_names: list[str]
     root: str
     chat_template: str | None = None
@@ -116,6 +121,15 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
+
+    async def check_engine(self) -> None:
+        """A stopped engine refuses a new request at once with a 503, before
+        any stream begins (vLLM's check at the top of each endpoint), on
+        either engine: its `check_health` says why."""
+        try:
+            await self.engine.check_health()
+        except Exception as e:
+            raise OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE) from e
 
     def check_prompt_tokens(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
         """The prompt, with room for max_tokens, must fit the model's context
@@ -169,8 +183,10 @@ class OpenAIServing:
     def engine_error(self, e: Exception, request: BaseModel) -> OpenAIError:
         """What the engine raised for a request, as the answer to send: a
         refusal when it was added (ValueError, the engine alive) a 400
-        naming the field; a step that failed under it a 500; a dead engine
-        for a new request a 503."""
+        naming the field; a step that failed under it, or an engine that
+        died under it, a 500; a dead engine for a new request a 503
+        (`check_engine`, or the classic engine's AsyncEngineDeadError when
+        it stopped just after that check)."""
         if isinstance(e, OpenAIError):
             return e
         if isinstance(e, ValueError) and not self.engine.errored:

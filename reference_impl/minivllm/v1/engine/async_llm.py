@@ -17,6 +17,12 @@ So tokenizing and detokenizing overlap the model's forward pass instead of
 waiting for it. A generator closed or cancelled early aborts its request,
 in the OutputProcessor and in the engine core. If the engine core dies,
 every waiting generator, and every later call, raises `EngineDeadError`.
+
+It is the server's `EngineClient` (engine/protocol.py) on V1, as the
+classic `AsyncLLMEngine` is on the classic engine: `minivllm serve
+--use-v1` serves from it. Its stat loggers (`add_logger`: the server's
+Prometheus one) are shown every step's `SchedulerStats` and outputs,
+built into the classic engine's `Stats` (v1/metrics/loggers.py).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import AsyncGenerator
 from minivllm.config import EngineConfig
 from minivllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from minivllm.engine.llm_engine import EngineDeadError
+from minivllm.engine.protocol import EngineClient, StepStatLogger
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -36,6 +43,8 @@ from minivllm.v1.engine.core_client import AsyncMPClient, EngineCoreClient
 from minivllm.v1.engine.input_processor import InputProcessor
 from minivllm.v1.engine.llm_engine import check_v1_config
 from minivllm.v1.engine.output_processor import OutputProcessor, ParentRequest
+from minivllm.v1.metrics.loggers import StatLoggerManager
+from minivllm.v1.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +83,7 @@ class RequestOutputCollector:
         return output
 
 
-class AsyncLLM:
+class AsyncLLM(EngineClient):
     def __init__(self, engine_config: EngineConfig, log_stats: bool = False) -> None:
         check_v1_config(engine_config)
         self.engine_config = engine_config
@@ -93,6 +102,9 @@ class AsyncLLM:
         self.request_queues: dict[str, RequestOutputCollector] = {}
         self.output_handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
+        # Shown every step's stats (the server's Prometheus logger); with
+        # log_stats, also vLLM's periodic throughput line.
+        self.stat_loggers = StatLoggerManager(log_stats)
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs | EngineArgs) -> AsyncLLM:
@@ -101,19 +113,48 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_model_config(self):
+        return self.model_config
+
     # -- state --------------------------------------------------------------------
 
     @property
+    def is_running(self) -> bool:
+        """The output handler runs, or has yet to start (vLLM's rule)."""
+        running = self.output_handler is None or not self.output_handler.done()
+        return running and not self.errored
+
+    @property
     def errored(self) -> bool:
+        """The engine core is gone: it failed, died, or was shut down."""
         return self._dead_error is not None or self.engine_core.resources.engine_dead
 
     @property
-    def dead_error(self) -> EngineDeadError:
+    def is_stopped(self) -> bool:
+        return self.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine core is gone (None while it serves)."""
+        if not self.errored:
+            return None
         return self._dead_error or self.engine_core.resources.dead_error()
 
     async def check_health(self) -> None:
         if self.errored:
             raise self.dead_error
+
+    # -- statistics ---------------------------------------------------------------
+
+    def add_logger(self, name: str, stat_logger: StepStatLogger) -> None:
+        self.stat_loggers.add_logger(name, stat_logger)
+
+    def remove_logger(self, name: str) -> None:
+        self.stat_loggers.remove_logger(name)
+
+    async def do_log_stats(self) -> None:
+        """Show every stat logger the last step's state now, with no outputs."""
+        self.stat_loggers.log_current()
 
     # -- requests -----------------------------------------------------------------
 
@@ -201,6 +242,8 @@ class AsyncLLM:
             if queue is not None:
                 queue.put(asyncio.CancelledError())
         await self.engine_core.abort_requests_async(self.output_processor.abort_requests(ids))
+        if not self.output_processor.has_unfinished_requests():
+            self.stat_loggers.record_idle()  # the engine core may not step again to say so
 
     # -- the output handler -------------------------------------------------------
 
@@ -211,7 +254,9 @@ class AsyncLLM:
         if self.output_handler is not None:
             return
         self.output_handler = asyncio.get_running_loop().create_task(
-            output_handler(self.engine_core, self.output_processor, self.request_queues),
+            output_handler(
+                self.engine_core, self.output_processor, self.request_queues, self.stat_loggers
+            ),
             name="AsyncLLM.output_handler",
         )
 
@@ -229,10 +274,12 @@ async def output_handler(
     engine_core: AsyncMPClient,
     output_processor: OutputProcessor,
     request_queues: dict[str, RequestOutputCollector],
+    stat_loggers: StatLoggerManager,
 ) -> None:
     try:
         while True:
             outputs = await engine_core.get_output_async()
+            iteration_stats = make_iteration_stats(outputs.outputs, output_processor)
             processed = output_processor.process_outputs(outputs.outputs)
             for request_output in processed.request_outputs:
                 rid = request_output.request_id
@@ -244,6 +291,11 @@ async def output_handler(
                 if queue is not None:
                     queue.put(request_output)
             await engine_core.abort_requests_async(processed.reqs_to_abort)
+            stat_loggers.record(
+                outputs.scheduler_stats, iteration_stats, processed.request_outputs
+            )
+            if processed.reqs_to_abort and not output_processor.has_unfinished_requests():
+                stat_loggers.record_idle()  # stopped by a string: the core counts it running
     except Exception as error:
         if not isinstance(error, EngineDeadError):
             # A bug here, not in the engine core; but with no handler no
@@ -254,6 +306,22 @@ async def output_handler(
             )
             error = engine_core.resources.dead_error()
         propagate_error(request_queues, error)
+
+
+def make_iteration_stats(outputs, output_processor: OutputProcessor) -> IterationStats:
+    """The front end's token counts of one step, read before the
+    OutputProcessor takes the outputs (vLLM counts them inside it): a
+    request with no first token yet is prefilling."""
+    stats = IterationStats()
+    for output in outputs:
+        state = output_processor.request_states.get(output.request_id)
+        if state is not None:  # not aborted meanwhile
+            stats.update_from_output(
+                len(output.new_token_ids),
+                state.metrics.first_token_time is None,
+                len(state.prompt_token_ids),
+            )
+    return stats
 
 
 def propagate_error(request_queues: dict[str, RequestOutputCollector], error: Exception) -> None:

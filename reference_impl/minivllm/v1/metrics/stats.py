@@ -1,4 +1,5 @@
-"""The engine core's per-step statistics (vLLM's `vllm/v1/metrics/stats.py`)."""
+"""V1's per-step statistics (vLLM's `vllm/v1/metrics/stats.py`): the engine
+core's `SchedulerStats`, and the front end's `IterationStats` of the outputs."""
 
 from __future__ import annotations
 
@@ -49,3 +50,21 @@ class SchedulerStats:
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+
+@dataclass
+class IterationStats:
+    """What the front end counts of one step's outputs (the token counts of
+    vLLM's `IterationStats`; the request timings are in each output's
+    `RequestMetrics`)."""
+
+    num_prompt_tokens: int = 0  # prompts of the requests that got their first token
+    num_generation_tokens: int = 0
+
+    def update_from_output(self, num_new_tokens: int, is_prefilling: bool, prompt_len: int) -> None:
+        """One request's output: its new tokens; its prompt, counted once,
+        when its first token comes (a prompt chunk that made no token is not
+        counted yet: vLLM V1's rule)."""
+        self.num_generation_tokens += num_new_tokens
+        if is_prefilling and num_new_tokens:
+            self.num_prompt_tokens += prompt_len

@@ -1,0 +1,160 @@
+"""V1's stat loggers in the front end (vLLM's `vllm/v1/metrics/loggers.py`).
+
+`AsyncLLM` hands every step's news to a `StatLoggerManager`: the engine
+core's `SchedulerStats` (queues, KV-cache usage, preemptions, prefix-cache
+lookups) and the front end's `IterationStats` (prompt and generated tokens,
+counted from the outputs), with the step's `RequestOutput`s. From those it
+builds the classic engine's `Stats`, so the very loggers the classic engine
+feeds run unchanged on V1: the server's `PrometheusStatLogger` (vLLM's
+`vllm:` metric names, its request timings from each output's
+`RequestMetrics`) and the periodic throughput line (`StatLogger`).
+
+What V1 feeds, metric by metric (engine/metrics.py has the names):
+
+    vllm:num_requests_running / _waiting    SchedulerStats.num_running_reqs / num_waiting_reqs
+    vllm:gpu_cache_usage_perc               SchedulerStats.kv_cache_usage
+    vllm:gpu_prefix_cache_hit_rate          PrefixCacheStats, summed since the start (in
+                                            tokens; the classic engine counts blocks;
+                                            resumed requests' lookups left out)
+    vllm:num_preemptions_total              SchedulerStats.num_preempted_reqs
+    vllm:prompt_tokens_total                each request's prompt length when its first
+                                            token comes (vLLM V1's rule; the classic
+                                            engine counts prompt tokens computed, so a
+                                            prefix-cache hit counts here, not there; with
+                                            n > 1 every child request counts its prompt)
+    vllm:generation_tokens_total, vllm:time_to_first_token_seconds,
+    vllm:time_per_output_token_seconds, vllm:e2e_request_latency_seconds,
+    vllm:request_success_total               from the RequestOutputs, as on the classic engine
+    vllm:num_requests_swapped, vllm:cpu_cache_usage_perc
+                                            always 0: V1 never swaps (it preempts by
+                                            recompute) and has no CPU block pool
+
+The engine core sends stats only when it steps. After an abort (a client
+that hung up, a stop string found in the front end) it may have nothing
+left to step: when the front end has no request left, every request the
+core had is finished or aborted, so the manager records an idle scheduler
+(`record_idle`) instead of keeping the last step's queues on show.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from minivllm.engine.metrics import StatLogger, Stats
+from minivllm.engine.protocol import StepStatLogger
+from minivllm.outputs import RequestOutput
+from minivllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+# Seconds between throughput log lines (the classic LLMEngine's interval).
+LOG_INTERVAL_S = 5.0
+
+
+class StatLoggerManager:
+    """Every stat logger of one `AsyncLLM`, and what it needs to build the
+    classic `Stats`: the prefix-cache totals and the last step's state.
+    `log_stats`: also print vLLM's throughput line every few seconds."""
+
+    def __init__(self, log_stats: bool = False) -> None:
+        self.stat_loggers: dict[str, StepStatLogger] = {}
+        self.log_line = StatLogger(log_interval=LOG_INTERVAL_S, enabled=log_stats)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.last_stats = self._idle_stats()
+
+    def add_logger(self, name: str, stat_logger: StepStatLogger) -> None:
+        if name in self.stat_loggers:
+            raise KeyError(f"a stat logger named {name!r} is already added")
+        self.stat_loggers[name] = stat_logger
+
+    def remove_logger(self, name: str) -> None:
+        del self.stat_loggers[name]
+
+    # -- building the classic Stats --------------------------------------------------
+
+    def make_stats(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats
+    ) -> Stats:
+        """One step's `Stats`: the scheduler's state after it, the tokens of
+        its outputs. Without SchedulerStats, the last step's state."""
+        if scheduler_stats is not None:
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                self.prefix_cache_queries += prefix.queries
+                self.prefix_cache_hits += prefix.hits
+        last = self.last_stats
+        return Stats(
+            now=time.time(),
+            num_running=last.num_running if scheduler_stats is None
+            else scheduler_stats.num_running_reqs,
+            num_waiting=last.num_waiting if scheduler_stats is None
+            else scheduler_stats.num_waiting_reqs,
+            num_swapped=0,  # V1 preempts by recompute only
+            gpu_cache_usage=last.gpu_cache_usage if scheduler_stats is None
+            else scheduler_stats.kv_cache_usage,
+            cpu_cache_usage=0.0,  # no CPU block pool
+            num_prefill_tokens=iteration_stats.num_prompt_tokens,
+            num_decode_tokens=iteration_stats.num_generation_tokens,
+            num_preemptions=0 if scheduler_stats is None else scheduler_stats.num_preempted_reqs,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
+
+    def _idle_stats(self) -> Stats:
+        return Stats(
+            now=time.time(),
+            num_running=0,
+            num_waiting=0,
+            num_swapped=0,
+            gpu_cache_usage=0.0,
+            cpu_cache_usage=0.0,
+            num_prefill_tokens=0,
+            num_decode_tokens=0,
+            num_preemptions=0,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
+
+    # -- recording ---------------------------------------------------------------------
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats,
+        request_outputs: Iterable[RequestOutput],
+    ) -> None:
+        """One step's news, to every logger."""
+        stats = self.make_stats(scheduler_stats, iteration_stats)
+        self._log(stats, last_per_request(request_outputs))
+
+    def record_idle(self) -> None:
+        """No request is left anywhere: show an empty scheduler (see the
+        module's docstring). Freed blocks count as free, cached or not."""
+        self._log(self._idle_stats(), [])
+
+    def log_current(self) -> None:
+        """The last stats again, with no outputs and no tokens (do_log_stats)."""
+        last = self.last_stats
+        current = Stats(
+            **{**vars(last), "now": time.time(), "num_prefill_tokens": 0,
+               "num_decode_tokens": 0, "num_preemptions": 0}
+        )
+        self._log(current, [])
+
+    def _log(self, stats: Stats, request_outputs: list[RequestOutput]) -> None:
+        self.last_stats = stats
+        self.log_line.log(stats)
+        for stat_logger in self.stat_loggers.values():
+            stat_logger.log(stats, request_outputs)
+
+
+def last_per_request(request_outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
+    """The newest output of each request, in order. A request with n > 1
+    runs as n child requests, each of whose outputs is the parent's
+    (cumulative) output: keep one a step, as the classic engine makes one
+    a step, so each step counts once in the per-token latency."""
+    newest: dict[str, RequestOutput] = {}
+    for output in request_outputs:
+        newest.pop(output.request_id, None)
+        newest[output.request_id] = output
+    return list(newest.values())
