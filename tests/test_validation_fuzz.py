@@ -201,7 +201,10 @@ def comparable(out):
 
 def assert_no_nan(out) -> None:
     for completion in out.outputs:
-        assert not math.isnan(completion.cumulative_logprob)
+        # (V1 gives None without logprobs, as vLLM V1 does.)
+        assert completion.cumulative_logprob is None or not math.isnan(
+            completion.cumulative_logprob
+        )
         for position in completion.logprobs or []:
             assert not any(math.isnan(lp.logprob) for lp in position.values())
     for position in out.prompt_logprobs or []:
@@ -213,9 +216,11 @@ def probe(engine, request_id="probe"):
     return comparable(run_to_end(engine, request_id))
 
 
-def test_fuzzed_requests_are_refused_or_run_like_on_a_fresh_engine(tiny_model_dir):
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
+def test_fuzzed_requests_are_refused_or_run_like_on_a_fresh_engine(tiny_model_dir, use_v1):
     model = tiny_model_dir("llama")
-    engine = LLM(model, **ENGINE).llm_engine
+    engine_options = {**ENGINE, "use_v1": use_v1}
+    engine = LLM(model, **engine_options).llm_engine
     request_numbers = itertools.count()
     seen = {"refused": 0, "compared": 0, "ran": 0}
 
@@ -256,7 +261,7 @@ def test_fuzzed_requests_are_refused_or_run_like_on_a_fresh_engine(tiny_model_di
         if params.sampling_type == SamplingType.RANDOM:
             seen["ran"] += 1
             return
-        fresh = LLM(model, **ENGINE).llm_engine
+        fresh = LLM(model, **engine_options).llm_engine
         fresh.add_request(request_id, prompt, params, priority=priority)
         assert comparable(out) == comparable(run_to_end(fresh, request_id))
         seen["compared"] += 1
@@ -267,7 +272,7 @@ def test_fuzzed_requests_are_refused_or_run_like_on_a_fresh_engine(tiny_model_di
     assert seen["refused"] and seen["compared"], seen
     # Not poisoned: idle, and the probe answers like a fresh engine.
     assert not engine.has_unfinished_requests() and not engine._live_request_ids
-    assert probe(engine) == probe(LLM(model, **ENGINE).llm_engine)
+    assert probe(engine) == probe(LLM(model, **engine_options).llm_engine)
 
 
 def test_fuzzed_engine_options_are_refused_or_run_like_a_fresh_engine(tiny_model_dir):
