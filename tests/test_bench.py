@@ -15,7 +15,7 @@ from tools.bench.common import (
 )
 from tools.bench.kv_efficiency import StepUsage, contiguous_usage, paged_usage
 from tools.bench.latency import run_latency
-from tools.bench.step_cost import linear_fit, measure_step_cost
+from tools.bench.step_cost import linear_fit, measure_step_cost, measure_step_cost_v1
 from tools.bench.throughput import agreement, make_static_batch, run_throughput
 from tools.bench.tp import run_tp
 
@@ -109,6 +109,18 @@ def test_step_cost_counts_only_full_decode_steps(tiny_model_dir):
     )
     assert cost.steps == 3
     assert cost.schedule_us_per_seq > 0 and cost.process_us_per_seq > 0
+    assert cost.total_us_per_seq >= max(cost.schedule_us_per_seq, cost.process_us_per_seq)
+
+
+def test_v1_step_cost_counts_only_full_decode_steps(tiny_model_dir):
+    """max_tokens = 3 + 3: the prefill samples the first token, 5 decode
+    steps follow, and the first and the last of them are left out: 3."""
+    cost = measure_step_cost_v1(
+        tiny_model_dir("llama"), 4, prefix_caching=True, num_steps=3, vocab_size=VOCAB
+    )
+    assert cost.steps == 3
+    assert min(cost.schedule_us_per_seq, cost.prepare_us_per_seq, cost.update_us_per_seq) > 0
+    assert cost.model_us_per_seq > 0
     assert cost.total_us_per_seq >= max(cost.schedule_us_per_seq, cost.process_us_per_seq)
 
 

@@ -16,6 +16,15 @@ of a step, do not count; the wall time of schedule + process is reported
 beside it. The phases are timed by wrapping `scheduler.schedule` and
 `worker.execute_model` of this engine; process is the rest of `step()`.
 
+Then the same on the V1 engine (`use_v1=True`), which has no dry run: it
+runs the model (the tiny one), whose time is left out. Its phases are
+schedule (`Scheduler.schedule`), prepare (the worker's `_update_states`
+and `_prepare_inputs`: applying the step's diff to the persistent batch
+and gathering the inputs; the classic dry run builds no inputs, so it has
+no twin there), update (`Scheduler.update_from_output`) and process (the
+front end: detokenize, stop strings, outputs). schedule + update + process
+is what compares with the classic engine's schedule + process.
+
 If the bookkeeping is linear in N, µs/seq/step stays flat from 16 to 1024
 sequences; a quadratic term would make it grow with N. With prefix caching
 each step also hashes the blocks that fill up; the prompts share their
@@ -125,6 +134,78 @@ def measure_step_cost(
     )
 
 
+@dataclass
+class StepCostV1:
+    num_seqs: int
+    prefix_caching: bool
+    steps: int
+    schedule_us_per_seq: float  # CPU time, as the classic rows
+    prepare_us_per_seq: float  # the worker's _update_states + _prepare_inputs
+    update_us_per_seq: float  # Scheduler.update_from_output
+    process_us_per_seq: float  # the front end's output processing
+    total_us_per_seq: float  # schedule + update + process: the classic rows' total
+    model_us_per_seq: float  # forward, logits, sampling: not the engine's cost
+
+
+def measure_step_cost_v1(
+    model_dir: str, num_seqs: int, prefix_caching: bool, num_steps: int, vocab_size: int
+) -> StepCostV1:
+    """As `measure_step_cost`, on V1 with its real (tiny) model."""
+    max_tokens = num_steps + 3
+    blocks_per_seq = -(-(PROMPT_LEN + max_tokens) // BLOCK_SIZE)
+    llm = LLM(
+        model_dir,
+        use_v1=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=PROMPT_LEN + max_tokens,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(num_seqs * PROMPT_LEN, 2048),
+        num_gpu_blocks_override=num_seqs * blocks_per_seq + 65,  # + V1's null block
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.model_runner
+    step = core.step = _Timed(core.step)
+    schedule = core.scheduler.schedule = _Timed(core.scheduler.schedule)
+    update = core.scheduler.update_from_output = _Timed(core.scheduler.update_from_output)
+    execute = core.model_executor.execute_model = _Timed(core.model_executor.execute_model)
+    update_states = runner._update_states = _Timed(runner._update_states)
+    prepare_inputs = runner._prepare_inputs = _Timed(runner._prepare_inputs)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    shared = [2 + i % (vocab_size - 2) for i in range(BLOCK_SIZE)]
+    for i in range(num_seqs):
+        own = [2 + (i * 31 + j * 7) % (vocab_size - 2) for j in range(PROMPT_LEN - BLOCK_SIZE)]
+        engine.add_request(str(i), {"prompt_token_ids": shared + own}, params)
+    steps = []  # (schedule, prepare, update, process, model) CPU seconds
+    while engine.has_unfinished_requests():
+        cpu = time.thread_time()
+        engine.step()
+        cpu = time.thread_time() - cpu
+        scheduled = schedule.result.num_scheduled_tokens
+        if len(scheduled) == num_seqs and schedule.result.total_num_scheduled_tokens == num_seqs:
+            prepare = update_states.cpu + prepare_inputs.cpu
+            steps.append(
+                (schedule.cpu, prepare, update.cpu, cpu - step.cpu, execute.cpu - prepare)
+            )
+    steps = steps[1:-1]
+
+    def us_per_seq(values) -> float:
+        return statistics.median(values) * 1e6 / num_seqs
+
+    return StepCostV1(
+        num_seqs,
+        prefix_caching,
+        len(steps),
+        schedule_us_per_seq=us_per_seq(s[0] for s in steps),
+        prepare_us_per_seq=us_per_seq(s[1] for s in steps),
+        update_us_per_seq=us_per_seq(s[2] for s in steps),
+        process_us_per_seq=us_per_seq(s[3] for s in steps),
+        total_us_per_seq=us_per_seq(s[0] + s[2] + s[3] for s in steps),
+        model_us_per_seq=us_per_seq(s[4] for s in steps),
+    )
+
+
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares (slope, intercept) of y = slope * x + intercept."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -212,6 +293,18 @@ def main(argv: list[str] | None = None) -> None:
             for caching in (False, True)
             for n in num_seqs
         ]
+        measure_step_cost_v1(model_dir, 16, True, 3, vocab_size)  # warm-up
+        results_v1 = [
+            min(
+                (
+                    measure_step_cost_v1(model_dir, n, caching, steps, vocab_size)
+                    for _ in range(args.repeats)
+                ),
+                key=lambda r: r.total_us_per_seq,
+            )
+            for caching in (False, True)
+            for n in num_seqs
+        ]
     fits = {}
     for caching in (False, True):
         rows = [r for r in results if r.prefix_caching == caching]
@@ -243,7 +336,34 @@ def main(argv: list[str] | None = None) -> None:
             f"linear fit, {name}: {fit['us_per_seq']:.2f} µs per sequence "
             f"+ {fit['us_fixed']:.0f} µs per step"
         )
-    payload = {"results": [asdict(r) for r in results], "linear_fit": fits}
+    print_table(
+        [
+            {
+                "seqs": r.num_seqs,
+                "prefix caching": "on" if r.prefix_caching else "off",
+                "steps": r.steps,
+                "schedule µs/seq": r.schedule_us_per_seq,
+                "update µs/seq": r.update_us_per_seq,
+                "process µs/seq": r.process_us_per_seq,
+                "total µs/seq": r.total_us_per_seq,
+                "prepare µs/seq": r.prepare_us_per_seq,
+                "(model µs/seq)": r.model_us_per_seq,
+            }
+            for r in results_v1
+        ],
+        title="V1 bookkeeping per decode step: CPU µs per sequence, median of steps "
+        "(total = schedule + update + process; prepare: the persistent batch and inputs)",
+    )
+    classic = {(r.num_seqs, r.prefix_caching): r.total_us_per_seq for r in results}
+    for r in results_v1:
+        ratio = r.total_us_per_seq / classic[(r.num_seqs, r.prefix_caching)]
+        caching = "on" if r.prefix_caching else "off"
+        print(f"V1 / classic total, {r.num_seqs} seqs, prefix caching {caching}: {ratio:.2f}x")
+    payload = {
+        "results": [asdict(r) for r in results],
+        "linear_fit": fits,
+        "results_v1": [asdict(r) for r in results_v1],
+    }
     out = write_result("step_cost", payload, args.json)
     if not args.no_plot:
         plot(results, plot_path("step_cost", args.json))
