@@ -1,0 +1,391 @@
+"""The OpenAI server on either engine: the same requests to a server on the
+classic `AsyncLLMEngine` and to one on V1's `AsyncLLM` (`--use-v1`, its
+engine core in a process of its own), each checked against the offline
+`LLM` of the same engine (the text, tokens and logprobs a request must
+get) and OpenAI's wire format.
+
+One server per engine for the module (tests/server_utils.py); its last test
+shuts it down and checks that nothing of it is left (on V1, the engine
+core's process too). The engine core's death has a V1 server of its own,
+with a scheduler that fails on purpose (the classic engine's twin is in
+test_openai_server_lifecycle.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.v1.core.sched.scheduler import Scheduler as V1Scheduler
+from tests.failing_scheduler import FAULT_AFTER, FAULT_MAX_TOKENS, InjectedFault
+from tests.server_utils import RemoteOpenAIServer, num_successes
+from tests.test_openai_server import BAD_FIELDS, COMPLETION, sse_events, wait_until_idle
+
+pytestmark = pytest.mark.slow
+
+MODEL = "minivllm-stories"
+PROMPTS = ["Once upon a time", "The little dog", "Long ago, there was a shy rabbit called Tom"]
+ENGINES = ["classic", "v1"]
+
+
+class FailingV1Scheduler(V1Scheduler):
+    """V1's twin of tests/failing_scheduler.py's: `schedule()` raises once a
+    request that asked for exactly FAULT_MAX_TOKENS tokens has FAULT_AFTER."""
+
+    def schedule(self):
+        for request in self.running:
+            if request.max_tokens == FAULT_MAX_TOKENS and request.num_output_tokens >= FAULT_AFTER:
+                raise InjectedFault("injected scheduler fault")
+        return super().schedule()
+
+
+def engine_flags(engine: str) -> list[str]:
+    return ["--use-v1"] if engine == "v1" else []
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with RemoteOpenAIServer(engine_flags(engine)) as remote:
+        remote.processes = [psutil.Process(remote.proc.pid), *descendants(remote)]
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.get_client()
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    """The offline engine of the same kind (V1's: prefix caching and chunked
+    prefill on, as on the server)."""
+    return LLM(use_v1=engine == "v1")
+
+
+def offline(llm: LLM, prompt: str, **params):
+    return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+
+
+def descendants(server: RemoteOpenAIServer) -> list[psutil.Process]:
+    return psutil.Process(server.proc.pid).children(recursive=True)
+
+
+def has_exited(process: psutil.Process) -> bool:
+    """Gone, or a zombie its parent has yet to reap."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# -- completions and chat ----------------------------------------------------------
+
+
+def test_the_server_runs_on_the_engine_asked_for(server, engine):
+    name = "AsyncLLM" if engine == "v1" else "AsyncLLMEngine"
+    assert f"({name})" in server.output()
+    cores = [p for p in server.processes if "spawn_main" in " ".join(p.cmdline())]
+    assert len(cores) == (1 if engine == "v1" else 0)  # V1's engine core process
+
+
+def test_greedy_completion_and_chat_equal_offline(client, llm):
+    expected = offline(llm, PROMPTS[2], max_tokens=30, temperature=0)
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0)
+    assert result.choices[0].text == expected.outputs[0].text
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert result.usage.completion_tokens == 30
+    # The story model's chat template: BOS, then the user's text.
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], temperature=0,
+        max_completion_tokens=30,
+    )
+    assert chat.choices[0].message.content == expected.outputs[0].text
+    assert chat.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_streamed_completion_follows_the_wire_format(server, llm):
+    body = dict(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    with httpx.stream("POST", server.url_for("v1", "completions"), json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    *token_chunks, usage_chunk = [json.loads(e) for e in events[:-1]]
+    expected = offline(llm, PROMPTS[0], max_tokens=12, temperature=0).outputs[0]
+    assert len(token_chunks) == 12  # one chunk per token
+    assert "".join(c["choices"][0]["text"] for c in token_chunks) == expected.text
+    assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * 11 + ["length"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
+
+
+def test_streamed_chat_sends_the_role_then_one_delta_per_token(server, llm):
+    body = dict(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=10,
+        temperature=0, stream=True,
+    )
+    with httpx.stream("POST", server.url_for("v1", "chat", "completions"), json=body) as r:
+        events = sse_events(r)
+    role, *content = [json.loads(e) for e in events[:-1]]
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    expected = offline(llm, PROMPTS[1], max_tokens=10, temperature=0).outputs[0]
+    assert len(content) == 10
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == expected.text
+    assert content[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_n2_streams_two_indexed_choices(client, llm):
+    """V1 runs n=2 as two child requests; they come back as choices 0 and 1,
+    streamed or not, with the offline V1 engine's text."""
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=7, n=2)
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        (choice,) = chunk.choices
+        assert choice.index not in finishes, "a chunk after the choice's finish"
+        texts[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "length", 1: "length"}
+    expected = offline(llm, PROMPTS[0], max_tokens=12, temperature=1.0, seed=7, n=2)
+    assert [texts[0], texts[1]] == [c.text for c in expected.outputs]
+    full = client.completions.create(**kwargs)
+    assert [c.text for c in full.choices] == [texts[0], texts[1]]
+    assert full.usage.completion_tokens == 24
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_stop_strings_end_the_request_as_offline(server, client, llm, include):
+    """On V1 the front end finds the stop string and aborts the request in
+    the engine core; afterwards nothing runs and no block is held."""
+    params = dict(temperature=0, stop=[" prince", "Ben"], include_stop_str_in_output=include)
+    expected = offline(llm, PROMPTS[0], max_tokens=40, **params).outputs[0]
+    assert expected.finish_reason == "stop"
+    extra = {"include_stop_str_in_output": include}
+    full = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=params["stop"],
+        extra_body=extra,
+    )
+    assert full.choices[0].text == expected.text
+    assert full.choices[0].finish_reason == "stop"
+    assert full.choices[0].stop_reason == expected.stop_reason
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=params["stop"],
+        extra_body=extra, stream=True,
+    )
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+    assert wait_until_idle(server)["vllm:gpu_cache_usage_perc"] == 0
+
+
+def test_logprobs_equal_offline(client, llm):
+    result = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3
+    )
+    expected = offline(llm, PROMPTS[1], max_tokens=6, temperature=0, logprobs=3).outputs[0]
+    lp = result.choices[0].logprobs
+    assert "".join(lp.tokens) == expected.text
+    for got, token_id, position in zip(
+        lp.token_logprobs, expected.token_ids, expected.logprobs, strict=True
+    ):
+        assert math.isclose(got, position[token_id].logprob, rel_tol=1e-5, abs_tol=1e-6)
+    assert all(3 <= len(top) <= 4 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == expected.text
+    assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+# -- refusals ------------------------------------------------------------------------
+
+
+def expect_400(server, body: dict, field: str) -> dict:
+    r = httpx.post(server.url_for("v1", "completions"), json=body, timeout=30)
+    assert r.status_code == 400, (field, body, r.text)
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == field or field in error["message"], (field, error)
+    return error
+
+
+# A few of test_openai_server.py's BAD_FIELDS: the server refuses them before any engine.
+SERVER_REFUSALS = [("temperature", -0.5), ("top_p", 0), ("n", 0), ("max_tokens", 10**6),
+                   ("stop", [""]), ("prompt", [-1]), ("logprobs", 21)]
+
+
+def test_refused_requests_are_400_naming_the_field(server, client, engine):
+    """The same refusals on both engines: the server's own checks, and the
+    engine's (stop_token_ids outside the vocabulary: the classic engine's
+    add_request, V1's InputProcessor). best_of > n is V1's alone."""
+    assert all(case in BAD_FIELDS for case in SERVER_REFUSALS)
+    for field, value in SERVER_REFUSALS:
+        expect_400(server, {**COMPLETION, field: value}, field)
+    error = expect_400(server, {**COMPLETION, "stop_token_ids": [32000]}, "stop_token_ids")
+    assert error["param"] == "stop_token_ids" and "outside the vocabulary" in error["message"]
+    best_of = {**COMPLETION, "best_of": 3, "temperature": 1.0}
+    if engine == "v1":
+        error = expect_400(server, best_of, "best_of")
+        assert error["param"] == "best_of" and "V1" in error["message"]
+    else:
+        assert httpx.post(server.url_for("v1", "completions"), json=best_of).status_code == 200
+    assert client.completions.create(**COMPLETION).choices[0].text
+    assert httpx.get(server.url_for("health")).status_code == 200
+
+
+# -- metrics and disconnects --------------------------------------------------------
+
+METRIC_NAMES = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_swapped",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:cpu_cache_usage_perc",
+    "vllm:gpu_prefix_cache_hit_rate",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+]
+
+
+def test_metrics_have_vllms_names_and_move(server, client, engine):
+    before = wait_until_idle(server)
+    assert all(name in before for name in METRIC_NAMES)
+    prompt = " ".join(PROMPTS)  # two full blocks of 16 tokens
+    result = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = wait_until_idle(server)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    # V1 counts the prompt when its first token comes, prefix-cache hits too.
+    assert moved("vllm:prompt_tokens_total") == result.usage.prompt_tokens
+    assert moved("vllm:generation_tokens_total") == 20
+    assert moved("vllm:request_success_total{finished_reason=length}") == 1
+    assert moved("vllm:time_to_first_token_seconds_count") == 1
+    assert moved("vllm:time_per_output_token_seconds_count") == 19
+    assert moved("vllm:e2e_request_latency_seconds_count") == 1
+    assert moved("vllm:e2e_request_latency_seconds_sum") > 0
+    assert after["vllm:gpu_cache_usage_perc"] == 0
+    assert after["vllm:num_requests_swapped"] == 0 and after["vllm:cpu_cache_usage_perc"] == 0
+    if engine == "v1":  # V1 caches prefixes by default: the same prompt again hits
+        assert after["vllm:gpu_prefix_cache_hit_rate"] == 0
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert wait_until_idle(server)["vllm:gpu_prefix_cache_hit_rate"] > 0
+
+
+def test_a_client_that_disconnects_is_aborted(server, client, llm):
+    """Mid-stream and while waiting for a plain answer: the abandoned
+    requests stop (no request_success), their blocks are freed, and a
+    request running beside them gets exactly the offline text."""
+    before = wait_until_idle(server)
+    body = dict(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True, ignore_eos=True
+    )
+    other = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=60, temperature=0, stream=True
+    )
+    with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as r:
+        received = [line for line, _ in zip(r.iter_lines(), range(6), strict=False) if line]
+        assert len(received) == 3  # three chunks, then hang up
+        assert server.metrics()["vllm:gpu_cache_usage_perc"] > 0
+    other_text = "".join(c.choices[0].text for c in other)
+    assert other_text == offline(llm, PROMPTS[1], max_tokens=60, temperature=0).outputs[0].text
+    middle = wait_until_idle(server)
+    assert middle["vllm:gpu_cache_usage_perc"] == 0
+    assert num_successes(middle) - num_successes(before) == 1  # the other request only
+    # A plain request alone, given up on: nothing else runs to step the engine after it.
+    plain = {**body, "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url_for("v1", "completions"), json=plain, timeout=0.5)
+    after = wait_until_idle(server)
+    assert after["vllm:gpu_cache_usage_perc"] == 0
+    assert num_successes(after) == num_successes(middle)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 300
+
+
+# -- the end ---------------------------------------------------------------------------
+
+
+def test_sigint_shuts_down_and_leaves_no_process(server):
+    """The module's last use of its server: SIGINT with a stream running. The
+    stream finishes within the grace period, the server exits 0, and none of
+    its processes is left (on V1: the engine core process, stopped by the
+    server's shutdown, not by the signal, which it ignores)."""
+    body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True,
+                ignore_eos=True)
+    with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.send_signal(signal.SIGINT)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert server.proc.wait(30) == 0
+    assert "Application shutdown complete" in server.output()
+    _, alive = psutil.wait_procs(server.processes, timeout=10)
+    assert alive == []
+
+
+def test_v1_engine_core_death_fails_requests_in_flight_and_health_turns_503():
+    """As the classic engine's failing step (test_openai_server_lifecycle.py):
+    the request in flight gets a 500 naming the fault, the stream an error
+    event, /health a 503, and a new request a 503."""
+    args = ["--use-v1", "--scheduler-cls", "tests.test_openai_server_v1.FailingV1Scheduler"]
+    with RemoteOpenAIServer(args) as server:
+        core = [p for p in descendants(server) if "spawn_main" in " ".join(p.cmdline())]
+        completions = server.url_for("v1", "completions")
+        long = {"model": MODEL, "prompt": [5, 6], "max_tokens": 500, "ignore_eos": True}
+        outcome = {}
+        thread = threading.Thread(
+            target=lambda: outcome.update(r=httpx.post(completions, json=long, timeout=60))
+        )
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.metrics()["vllm:num_requests_running"]:
+            assert thread.is_alive() and time.monotonic() < deadline
+        doomed = {**long, "prompt": [8, 9], "max_tokens": FAULT_MAX_TOKENS, "stream": True}
+        with httpx.stream("POST", completions, json=doomed, timeout=60) as r:
+            assert r.status_code == 200
+            events = [line[len("data: ") :] for line in r.iter_lines() if line]
+        thread.join(60)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert "InjectedFault" in error["message"] and error["type"] == "server_error"
+        assert all("choices" in json.loads(e) for e in events[:-2])
+        assert outcome["r"].status_code == 500
+        assert "InjectedFault" in outcome["r"].json()["error"]["message"]
+        health = httpx.get(server.url_for("health"))
+        assert health.status_code == 503 and "InjectedFault" in health.json()["error"]["message"]
+        late = httpx.post(completions, json={**long, "max_tokens": 3})
+        assert late.status_code == 503 and "EngineCore is dead" in late.json()["error"]["message"]
+        assert len(core) == 1 and wait_until(lambda: has_exited(core[0]))  # with its failure
+        assert server.stop(signal.SIGINT) == 0
+        assert psutil.wait_procs(core, timeout=10)[1] == []  # reaped: gone for good
