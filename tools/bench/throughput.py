@@ -280,6 +280,8 @@ def run_throughput(
             model_dir, max_num_seqs, kv_tokens, max_len, use_v1, device=device, dtype=dtype
         )
         warm_up(llm, hf, requests)
+        if use_v1:  # the warm-up's prompts must not give V1 free prefix hits
+            assert llm.llm_engine.reset_prefix_cache()
         return engine_run(llm, requests, name, max_num_seqs, kv_tokens)
 
     budget_name = f"KV {budget_seqs}x{max_len}"
