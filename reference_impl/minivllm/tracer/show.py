@@ -165,8 +165,8 @@ def _block_tables(trace: Trace, step: dict[str, Any]) -> Group:
     return Group(*lines)
 
 
-def changes(prev: dict[str, Any] | None, step: dict[str, Any]) -> list[str]:
-    """What this step changed: admissions, queue moves, blocks gained and lost."""
+def queue_moves(step: dict[str, Any]) -> list[str]:
+    """Requests that changed queue in this step (either engine's steps)."""
     out = []
     before, after = step["queues_before"], step["queues_after"]
     where_before = {rid: q for q, ids in before.items() for rid in ids}
@@ -177,6 +177,12 @@ def changes(prev: dict[str, Any] | None, step: dict[str, Any]) -> list[str]:
     for rid in where_before:
         if rid not in where_after:
             out.append(f"{rid}: {where_before[rid]} → done")
+    return out
+
+
+def changes(prev: dict[str, Any] | None, step: dict[str, Any]) -> list[str]:
+    """What this step changed: admissions, queue moves, blocks gained and lost."""
+    out = queue_moves(step)
     old_tables = prev["block_tables"] if prev else {}
     for seq_id, table in step["block_tables"].items():
         old = old_tables.get(seq_id, [])
@@ -298,16 +304,7 @@ def _v1_pool(trace: Trace, step: dict[str, Any]) -> Group:
 
 
 def _v1_changes(prev: dict[str, Any] | None, step: dict[str, Any]) -> list[str]:
-    out = []
-    before, after = step["queues_before"], step["queues_after"]
-    where_before = {rid: q for q, ids in before.items() for rid in ids}
-    where_after = {rid: q for q, ids in after.items() for rid in ids}
-    for rid, q in where_after.items():
-        if where_before.get(rid, "new") != q:
-            out.append(f"{rid}: {where_before.get(rid, 'new')} → {q}")
-    for rid in where_before:
-        if rid not in where_after:
-            out.append(f"{rid}: {where_before[rid]} → done")
+    out = queue_moves(step)
     old_tables = prev["block_tables"] if prev else {}
     for rid, table in step["block_tables"].items():
         old = old_tables.get(rid, [])
