@@ -131,6 +131,20 @@ def test_n_fans_out_into_children_seeded_seed_plus_index(tiny_model_dir):
     assert len({tuple(c.token_ids) for c in output.outputs}) == 3
 
 
+def test_children_of_n_ban_eos_before_min_tokens_as_a_single_request_does():
+    """Each child's sampler bans the same stop tokens (EOS included) before
+    min_tokens as the request would alone."""
+    engine = LLM(use_v1=True).llm_engine
+    params = SamplingParams(n=2, temperature=1.0, min_tokens=3, max_tokens=5)
+    engine.add_request("pair", "Once", params)
+    engine.add_request("one", "Once", SamplingParams(temperature=1.0, min_tokens=3, max_tokens=5))
+    states = engine.output_processor.request_states
+    eos = engine.tokenizer.eos_token_id
+    assert eos in states["one"].params.all_stop_token_ids
+    for child in ("0_pair", "1_pair"):
+        assert states[child].params.all_stop_token_ids == states["one"].params.all_stop_token_ids
+
+
 def test_stop_strings_and_texts_equal_the_classic_engine():
     """The shipped story model: stop strings found in the front end cut the
     text where the classic engine's stop checker does."""

@@ -35,7 +35,12 @@ class ParentRequest:
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         seed = None if self.params.seed is None else self.params.seed + index
-        return f"{index}_{self.request_id}", replace(self.params, n=1, best_of=None, seed=seed)
+        params = replace(self.params, n=1, best_of=None, seed=seed)
+        # `replace` builds the stop set afresh from stop_token_ids: keep the
+        # EOS ids the input processor added, which the sampler bans before
+        # min_tokens.
+        params.all_stop_token_ids = set(self.params.all_stop_token_ids)
+        return f"{index}_{self.request_id}", params
 
     @property
     def finished(self) -> bool:
