@@ -66,6 +66,16 @@ class EngineDeadError(RuntimeError):
     trusted; it refuses all further work (vLLM has the same error)."""
 
 
+def engine_dead_error(cause: BaseException) -> EngineDeadError:
+    """What every call on an engine killed by `cause` raises (both engines)."""
+    error = EngineDeadError(
+        f"engine is dead: {type(cause).__name__}: {cause}. A step failed part-way, "
+        "so its queues and KV cache can no longer be trusted; create a new engine."
+    )
+    error.__cause__ = cause
+    return error
+
+
 class LLMEngine:
     """`trace`: write every step to this JSON Lines file (see `start_trace`);
     the environment variable MINIVLLM_TRACE does the same for any program."""
@@ -224,11 +234,7 @@ class LLMEngine:
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
-            cause = self.dead_error
-            raise EngineDeadError(
-                f"engine is dead: {type(cause).__name__}: {cause}. A step failed part-way, "
-                "so its queues and KV cache can no longer be trusted; create a new engine."
-            ) from cause
+            raise engine_dead_error(self.dead_error)
 
     def step(self) -> list[RequestOutput]:
         self._check_alive()

@@ -42,7 +42,7 @@ from minivllm.transformers_utils.tokenizer import get_tokenizer
 from minivllm.v1.engine.core_client import AsyncMPClient, EngineCoreClient
 from minivllm.v1.engine.input_processor import InputProcessor
 from minivllm.v1.engine.llm_engine import check_v1_config
-from minivllm.v1.engine.output_processor import OutputProcessor, ParentRequest
+from minivllm.v1.engine.output_processor import OutputProcessor, fan_out
 from minivllm.v1.metrics.loggers import StatLoggerManager
 from minivllm.v1.metrics.stats import IterationStats
 
@@ -175,30 +175,10 @@ class AsyncLLM(EngineClient):
         )
         queue = self.request_queues[request_id] = RequestOutputCollector(request_id)
         self._run_output_handler()
-        params = request.sampling_params
-        if params.n == 1:
-            await self._add_one(request, prompt_text, None, 0)
-            return queue
-        parent = ParentRequest(request_id, params)
-        for index in range(params.n):
-            child_id, child_params = parent.get_child_info(index)
-            child = type(request)(
-                **{**vars(request), "request_id": child_id, "sampling_params": child_params}
-            )
-            await self._add_one(child, prompt_text, parent, index)
+        for child, parent, index in fan_out(request):
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            await self.engine_core.add_request_async(child)
         return queue
-
-    async def _add_one(self, request, prompt_text, parent, index) -> None:
-        self.output_processor.add_request(
-            request.request_id,
-            prompt_text,
-            request.prompt_token_ids,
-            request.sampling_params,
-            request.arrival_time,
-            parent,
-            index,
-        )
-        await self.engine_core.add_request_async(request)
 
     async def generate(
         self,

@@ -29,7 +29,7 @@ import time
 from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.llm_engine import EngineDeadError
+from minivllm.engine.llm_engine import EngineDeadError, engine_dead_error
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -39,11 +39,7 @@ from minivllm.v1.engine import EngineCoreOutputs
 from minivllm.v1.engine.core import get_scheduler_cls
 from minivllm.v1.engine.core_client import EngineCoreClient, InprocClient
 from minivllm.v1.engine.input_processor import InputProcessor
-from minivllm.v1.engine.output_processor import (
-    OutputProcessor,
-    OutputProcessorOutput,
-    ParentRequest,
-)
+from minivllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutput, fan_out
 from minivllm.v1.engine.step_observer import V1StepObserver, V1StepRecord, queue_request_ids
 from minivllm.v1.engine.trace_writer import V1TraceWriter
 
@@ -164,35 +160,15 @@ class LLMEngine:
             request_id, prompt, params, arrival_time, priority, self._live_request_ids
         )
         self._live_request_ids.add(request_id)
-        params = request.sampling_params
-        if params.n == 1:
-            self._add_one(request, prompt_text, None, 0)
-            return
-        parent = ParentRequest(request_id, params)
-        for index in range(params.n):
-            child_id, child_params = parent.get_child_info(index)
-            child = type(request)(
-                **{**vars(request), "request_id": child_id, "sampling_params": child_params}
-            )
-            self._add_one(child, prompt_text, parent, index)
-
-    def _add_one(self, request, prompt_text, parent, index) -> None:
-        self.output_processor.add_request(
-            request.request_id,
-            prompt_text,
-            request.prompt_token_ids,
-            request.sampling_params,
-            request.arrival_time,
-            parent,
-            index,
-        )
-        try:
-            self.engine_core.add_request(request)
-        except EngineDeadError as exc:  # the engine core's process is gone
-            self.dead_error = exc
-            raise
-        for observer in self.step_observers:
-            observer.on_add_request(self, request.request_id)
+        for child, parent, index in fan_out(request):
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            try:
+                self.engine_core.add_request(child)
+            except EngineDeadError as exc:  # the engine core's process is gone
+                self.dead_error = exc
+                raise
+            for observer in self.step_observers:
+                observer.on_add_request(self, child.request_id)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Drop requests now (no final output, as vLLM V1). Ids unknown or
@@ -220,10 +196,7 @@ class LLMEngine:
             cause = self.dead_error
             if isinstance(cause, EngineDeadError):  # the engine core's process died
                 raise EngineDeadError(str(cause)) from cause
-            raise EngineDeadError(
-                f"engine is dead: {type(cause).__name__}: {cause}. A step failed part-way, "
-                "so its queues and KV cache can no longer be trusted; create a new engine."
-            ) from cause
+            raise engine_dead_error(cause)
 
     def step(self) -> list[RequestOutput]:
         self._check_alive()

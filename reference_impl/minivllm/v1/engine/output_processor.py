@@ -18,7 +18,7 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import RequestMetrics
 from minivllm.transformers_utils.detokenizer import Detokenizer
-from minivllm.v1.engine import EngineCoreOutput, FinishReason
+from minivllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from minivllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -45,6 +45,22 @@ class ParentRequest:
     @property
     def finished(self) -> bool:
         return self.num_finished == self.params.n
+
+
+def fan_out(
+    request: EngineCoreRequest,
+) -> list[tuple[EngineCoreRequest, ParentRequest | None, int]]:
+    """The requests the engine core runs for one user request, each with its
+    parent and its index among the parent's n: itself alone when n == 1."""
+    if request.sampling_params.n == 1:
+        return [(request, None, 0)]
+    parent = ParentRequest(request.request_id, request.sampling_params)
+    children = []
+    for index in range(parent.params.n):
+        child_id, child_params = parent.get_child_info(index)
+        child = replace(request, request_id=child_id, sampling_params=child_params)
+        children.append((child, parent, index))
+    return children
 
 
 @dataclass
@@ -80,25 +96,23 @@ class OutputProcessor:
 
     def add_request(
         self,
-        request_id: str,
+        request: EngineCoreRequest,
         prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
         parent: ParentRequest | None = None,
         index: int = 0,
     ) -> None:
-        if request_id in self.request_states:
-            raise ValueError(f"Request id {request_id!r} is already running")
-        self.request_states[request_id] = RequestState(
-            request_id,
+        if request.request_id in self.request_states:
+            raise ValueError(f"Request id {request.request_id!r} is already running")
+        params = request.sampling_params
+        self.request_states[request.request_id] = RequestState(
+            request.request_id,
             prompt,
-            prompt_token_ids,
+            request.prompt_token_ids,
             params,
             IncrementalDetokenizer(self.detokenizer, params),
             parent,
             index,
-            metrics=RequestMetrics(arrival_time),
+            metrics=RequestMetrics(request.arrival_time),
         )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
