@@ -1,4 +1,4 @@
-"""Shared by the checkers that run the engine (days 2, 5 and 6): run a
+"""Shared by the checkers that run the engine (days 2, 5, 6 and 15): run a
 workload on the real engine (with or without the model) with tracing on,
 run a learner's component inside it beside the reference, and compare the
 two runs step by step, naming the first step that differs.
@@ -340,3 +340,20 @@ def check_in_engine(
     )
     compare_runs(ref, got, label, hints, agreed=agreed, refine_hint=refine_hint)
     return got
+
+
+class BatchRecorder:
+    """A step observer of the classic engine that keeps what each step
+    scheduled: request id -> tokens it computes (days 6 and 15)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+
+    def on_add_request(self, engine, seq_group) -> None:
+        pass
+
+    def on_step(self, engine, record) -> None:
+        self.steps.append({
+            s.seq_group.request_id: s.token_chunk_size
+            for s in record.scheduler_outputs.scheduled_seq_groups
+        })

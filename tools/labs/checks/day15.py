@@ -21,6 +21,7 @@ from minivllm.v1.core.sched.scheduler import Scheduler
 from minivllm.v1.request import Request
 from tools.labs.checks._common import passed
 from tools.labs.checks._engine_runs import (
+    BatchRecorder,
     learner_code,
     quiet_engine,
     token_prompts,
@@ -185,22 +186,6 @@ def named_prompts(lengths: dict[str, int], **kw) -> dict[str, list[int]]:
 # -- the classic engine, for the side-by-side table ------------------------------------------
 
 
-class _ClassicBatch:
-    """A step observer of the classic engine: request id -> tokens, per step."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, int]] = []
-
-    def on_add_request(self, engine, seq_group) -> None:
-        pass
-
-    def on_step(self, engine, record) -> None:
-        self.steps.append({
-            s.seq_group.request_id: s.token_chunk_size
-            for s in record.scheduler_outputs.scheduled_seq_groups
-        })
-
-
 def classic_table(
     prompts: dict[str, list[int]],
     params: SamplingParams,
@@ -212,7 +197,7 @@ def classic_table(
     per step, request id -> tokens it computed."""
     with quiet_engine():
         llm = LLM(disable_log_stats=True, **engine)
-    engine_obj, batch = llm.llm_engine, _ClassicBatch()
+    engine_obj, batch = llm.llm_engine, BatchRecorder()
     engine_obj.add_step_observer(batch)
     arrivals = arrivals or {}
     pending = {rid: arrivals.get(rid, 0) for rid in prompts}

@@ -17,6 +17,7 @@ from minivllm.core.scheduler import Scheduler
 from minivllm.tracer.trace import Trace
 from tools.labs.checks._common import passed
 from tools.labs.checks._engine_runs import (
+    BatchRecorder,
     Run,
     check_in_engine,
     component_of,
@@ -671,28 +672,11 @@ _POLICIES = {
 }
 
 
-class _Batch:
-    """A step observer that keeps what each step scheduled: request id ->
-    tokens it computes."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, int]] = []
-
-    def on_add_request(self, engine, seq_group) -> None:
-        pass
-
-    def on_step(self, engine, record) -> None:
-        self.steps.append({
-            s.seq_group.request_id: s.token_chunk_size
-            for s in record.scheduler_outputs.scheduled_seq_groups
-        })
-
-
 @functools.cache
 def _budget_step(policy: str) -> tuple[tuple[str, int], ...]:
     with quiet_engine():
         llm = LLM(dry_run=True, disable_log_stats=True, **BUDGET_ENGINE, **_POLICIES[policy])
-    engine, batch = llm.llm_engine, _Batch()
+    engine, batch = llm.llm_engine, BatchRecorder()
     engine.add_step_observer(batch)
     prompts = dict(zip(BUDGET_PROMPTS, token_prompts(list(BUDGET_PROMPTS.values())),
                        strict=True))
