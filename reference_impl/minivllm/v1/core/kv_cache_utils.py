@@ -45,11 +45,14 @@ def hash_block_tokens(
     return hashlib.sha256(pickle.dumps(payload, protocol=5)).digest()
 
 
-def hash_request_tokens(block_size: int, token_ids: Sequence[int]) -> list[BlockHash]:
+def hash_request_tokens(
+    block_size: int, token_ids: Sequence[int], parent_block_hash: BlockHash | None = None
+) -> list[BlockHash]:
     """The chained hashes of every *full* block of `token_ids` (a partial
-    last block has none: its K/V is not final until the block fills)."""
+    last block has none: its K/V is not final until the block fills),
+    the first chained to `parent_block_hash` (None: the request's start)."""
     hashes: list[BlockHash] = []
-    parent = None
+    parent = parent_block_hash
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)
@@ -61,15 +64,9 @@ def get_request_block_hasher(block_size: int):
     was last hashed (`Request.update_block_hashes` calls it)."""
 
     def request_block_hasher(request) -> list[BlockHash]:
-        token_ids = request.all_token_ids
         start = len(request.block_hashes) * block_size
         parent = request.block_hashes[-1] if request.block_hashes else None
-        new_hashes: list[BlockHash] = []
-        while start + block_size <= len(token_ids):
-            parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-            new_hashes.append(parent)
-            start += block_size
-        return new_hashes
+        return hash_request_tokens(block_size, request.all_token_ids[start:], parent)
 
     return request_block_hasher
 
