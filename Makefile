@@ -35,9 +35,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(PY) tools/demo.py
 
+# Two workers, each given whole files (a notebook's cells share one kernel) and
+# one CPU thread, so that the two never fight over the cores.
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(PY) -m ruff check .
