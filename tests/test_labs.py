@@ -76,6 +76,7 @@ def test_make_lab_numbers_exercise_cells_and_strips_only_outputs():
         code_cell("check.exercise_1(a)", tags=["checker"], outputs=["Day 2, exercise 1: passed\n"]),
         code_cell("### BEGIN SOLUTION\nb = 2\n### END SOLUTION", tags=["exercise"]),
     ]
+    nb.cells[3].metadata["execution"] = {"shell.execute_reply": "2026-11-25T18:56:25Z"}
     lab = make_lab(nb, 2)
     assert [c.source for c in lab.cells] == [
         "# Day 2",
@@ -86,8 +87,11 @@ def test_make_lab_numbers_exercise_cells_and_strips_only_outputs():
     ]
     code = [c for c in lab.cells if c.cell_type == "code"]
     assert all(c.outputs == [] and c.execution_count is None for c in code)
-    assert [c.metadata for c in lab.cells] == [c.metadata for c in nb.cells]
-    assert nb.cells[2].outputs  # the solution itself is untouched
+    # Tags stay; the solution run's timestamps do not.
+    assert lab.cells[3].metadata == {"tags": ["checker"]}
+    kept = [{k: v for k, v in c.metadata.items() if k != "execution"} for c in nb.cells]
+    assert [c.metadata for c in lab.cells] == kept
+    assert nb.cells[2].outputs and "execution" in nb.cells[3].metadata  # solution untouched
 
 
 def test_a_region_outside_an_exercise_cell_is_refused():

@@ -64,6 +64,7 @@ def make_lab(solution: nbformat.NotebookNode, day: int) -> nbformat.NotebookNode
             continue
         cell.outputs = []
         cell.execution_count = None
+        cell.metadata.pop("execution", None)  # the solution run's timestamps
         if EXERCISE_TAG in cell.metadata.get("tags", []):
             exercise += 1
             cell.source = strip_solutions(cell.source, day, exercise)
