@@ -28,7 +28,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,12 +58,12 @@ class _ArgInfo(ctypes.Structure):
     ]
 
 
-def _translation_unit(source: Path, name_expressions: tuple[str, ...]) -> str:
-    """The .cu file, its dynamic shared memory rewritten, plus a C entry point
-    per instantiation (launch and signature)."""
-    code = _DYNAMIC_SMEM.sub(
-        r"\1* const \2 = static_cast<\1*>(emu::dynamic_smem());", source.read_text()
-    )
+def emulator_unit(code: str, name_expressions: Sequence[str]) -> str:
+    """CUDA source made ready for the emulator: its dynamic shared memory
+    rewritten, then a C entry point (launch and signature) for each
+    instantiation, the i-th named `emu_launch_i` / `emu_signature_i` as
+    `EmulatedKernel` looks them up."""
+    code = _DYNAMIC_SMEM.sub(r"\1* const \2 = static_cast<\1*>(emu::dynamic_smem());", code)
     entries = []
     for i, expr in enumerate(name_expressions):
         entries.append(
@@ -73,49 +73,58 @@ def _translation_unit(source: Path, name_expressions: tuple[str, ...]) -> str:
             f'extern "C" int emu_signature_{i}(emu::ArgInfo* out) {{\n'
             f"  return emu::signature(&{expr}, out);\n}}\n"
         )
-    return f'#line 1 "{source}"\n{code}\n#line 1 "emulator-entries"\n' + "".join(entries)
+    return f'{code}\n#line 1 "emulator-entries"\n' + "".join(entries)
 
 
-def _compile(source: str, name_expressions: tuple[str, ...]) -> ctypes.PyDLL:
-    """Build (or reuse) the shared library for `source`, a file of csrc/ or
-    an absolute path (the tests' own kernels). It is keyed by the content of
-    every input, so an edited `.cu` file is rebuilt at its next launch, with
-    no restart (the real loader compiles once per process)."""
+class CompileError(RuntimeError):
+    """The host compiler refused a translation unit; `stderr` says why."""
+
+    def __init__(self, message: str, stderr: str) -> None:
+        super().__init__(message)
+        self.stderr = stderr
+
+
+def build(unit: str, name: str, opt: str = "-O2") -> ctypes.PyDLL:
+    """Build (or reuse) the shared library of an `emulator_unit`, and load it.
+    It is keyed by the content of every input (the unit, the headers, the
+    compiler and its flags), so an edited source is rebuilt at its next
+    launch, with no restart (the real loader compiles once per process).
+    `name` names the file and the error; `opt` is the optimisation flag
+    (the lab checkers compile many small variants at -O0, faster to build)."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("the CUDA emulator needs a C++ compiler: install g++ or set $CXX")
-    path = _custom_ops.CSRC_DIR / source
-    unit = _translation_unit(path, name_expressions)
+    flags = ["-std=c++17", opt, "-shared", "-fPIC", "-include", str(HEADER)]
+    flags.append(f"-I{_custom_ops.CSRC_DIR}")
     headers = sorted(_custom_ops.CSRC_DIR.glob("*.cuh")) + [HEADER]
-    key = hashlib.sha256("\0".join([cxx, unit, *(h.read_text() for h in headers)]).encode())
+    key = hashlib.sha256("\0".join([cxx, *flags, unit, *(h.read_text() for h in headers)]).encode())
     cache = Path(tempfile.gettempdir()) / "minivllm-cuda-emu"
     cache.mkdir(exist_ok=True)
-    library = cache / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
+    library = cache / f"{Path(name).stem}-{key.hexdigest()[:16]}.so"
     if not library.exists():
         # Per-process names until the final rename: concurrent builds cannot
         # see half a file.
         unit_path = library.with_suffix(f".{os.getpid()}.cpp")
         unit_path.write_text(unit)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [
-            cxx,
-            "-std=c++17",
-            "-O2",
-            "-shared",
-            "-fPIC",
-            "-include",
-            str(HEADER),
-            f"-I{_custom_ops.CSRC_DIR}",
-            str(unit_path),
-            "-o",
-            str(partial),
-        ]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"compiling {source} for the emulator failed:\n{result.stderr}")
-        partial.replace(library)
+        result = subprocess.run(
+            [cxx, *flags, str(unit_path), "-o", str(partial)], capture_output=True, text=True
+        )
         unit_path.unlink()
+        if result.returncode != 0:
+            raise CompileError(
+                f"compiling {name} for the emulator failed:\n{result.stderr}", result.stderr
+            )
+        partial.replace(library)
     return _load(library)
+
+
+def _compile(source: str, name_expressions: tuple[str, ...]) -> ctypes.PyDLL:
+    """The library of `source`, a file of csrc/ or an absolute path (the
+    tests' own kernels)."""
+    path = _custom_ops.CSRC_DIR / source
+    unit = f'#line 1 "{path}"\n' + emulator_unit(path.read_text(), name_expressions)
+    return build(unit, source)
 
 
 @functools.cache

@@ -15,6 +15,8 @@ where it was raised and what likely caused it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -444,6 +446,22 @@ class Launch:
     shared_mem: int
 
 
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launch]]:
+    """Inside the block, `_custom_ops` looks up no kernel and launches nothing:
+    each launch it would make is appended to the list yielded, so a launcher's
+    grid, arguments and shared memory can be read on a CPU."""
+    launches: list[Launch] = []
+    saved = ops._kernel, ops._launch
+    ops._kernel = lambda source, names, name: name
+    ops._launch = lambda kernel, grid, args, shared_mem=0: launches.append(
+        Launch(kernel, tuple(grid), args, shared_mem))
+    try:
+        yield launches
+    finally:
+        ops._kernel, ops._launch = saved
+
+
 def decode_launch(num_seqs: int = 3, seq_lens: tuple[int, ...] = (40, 7, 19),
                   num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 64,
                   block_size: int = 16) -> Launch:
@@ -454,16 +472,9 @@ def decode_launch(num_seqs: int = 3, seq_lens: tuple[int, ...] = (40, 7, 19),
     query = torch.zeros(num_seqs, num_heads, head_size)
     kv_cache = torch.zeros(2, num_seqs * max_blocks + 1, block_size, num_kv_heads, head_size)
     tables = torch.arange(1, num_seqs * max_blocks + 1).view(num_seqs, max_blocks)
-    launches: list[Launch] = []
-    saved = ops._kernel, ops._launch
-    ops._kernel = lambda source, names, name: name
-    ops._launch = lambda kernel, grid, args, shared_mem=0: launches.append(
-        Launch(kernel, grid, args, shared_mem))
-    try:
+    with recorded_launches() as launches:
         CudaPagedAttention(num_heads, head_size, head_size**-0.5, num_kv_heads).forward_decode(
             query, kv_cache, tables, torch.tensor(seq_lens), max(seq_lens))
-    finally:
-        ops._kernel, ops._launch = saved
     return launches[0]
 
 

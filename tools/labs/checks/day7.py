@@ -34,18 +34,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import mmap
 import os
 import re
 import signal
-import subprocess
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,6 +52,7 @@ from minivllm.assets import DEFAULT_MODEL
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from tools.labs.checks._common import needs, passed
 from tools.labs.checks._engine_runs import quiet_engine
+from tools.labs.checks.day4 import recorded_launches
 
 __all__ = ["exercise_1", "exercise_2", "exercise_3", "exercise_4", "engine_texts", "gpu_compare",
            "gpu_problem", "kernel_lines", "needs", "real_launch", "thread_map"]
@@ -128,17 +125,11 @@ def real_launch(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int
     cache = torch.empty(1, block_size, num_kv_heads, head_size, dtype=dtype)
     tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
     seq_lens = torch.full((num_seqs,), max_seq_len, dtype=torch.int64)
-    launches: list[Launch] = []
-    saved = ops._kernel, ops._launch
-    ops._kernel = lambda source, names, name: name
-    ops._launch = lambda kernel, grid, args, shared_mem=0: launches.append(
-        Launch(kernel, tuple(grid), (ops.NUM_THREADS,), shared_mem))
-    try:
+    with recorded_launches() as launches:
         ops.paged_attention_v1(torch.empty_like(query), query, cache, cache, tables, seq_lens,
                                head_size**-0.5, max_seq_len)
-    finally:
-        ops._kernel, ops._launch = saved
-    return launches[0]
+    launch = launches[0]
+    return Launch(launch.kernel, launch.grid, (ops.NUM_THREADS,), launch.shared_mem)
 
 
 def reference_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -419,8 +410,6 @@ __global__ void probe_weighted_values(scalar_t* __restrict__ out,  // [seqs, hea
 """,
 }
 
-_DYNAMIC_SMEM = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
-_CXX_FLAGS = ("-std=c++17", "-O0", "-shared", "-fPIC")
 
 
 @dataclass(frozen=True)
@@ -435,8 +424,8 @@ class Variant:
 class Library:
     """A compiled set of variants; `kernel(variant, name, seed)` is an EmulatedKernel."""
 
-    def __init__(self, path: Path, entries: list[tuple[Variant, str]]):
-        self.dll = ctypes.PyDLL(str(path))
+    def __init__(self, dll: ctypes.PyDLL, entries: list[tuple[Variant, str]]):
+        self.dll = dll
         self.index = {entry: i for i, entry in enumerate(entries)}
 
     def kernel(self, variant: Variant, name: str, seed: int = 0) -> cuda_emu.EmulatedKernel:
@@ -456,15 +445,8 @@ def _unit(variants: list[Variant]) -> tuple[str, list[tuple[Variant, str]]]:
         parts.append(f"namespace day7_v{i} {{\n{code}\n"
                      f'#line 1 "day7 checker probes"\n{probes}\n}}\n')
         entries += [(i, variant, name) for name in variant.names]
-    unit = _DYNAMIC_SMEM.sub(r"\1* const \2 = static_cast<\1*>(emu::dynamic_smem());",
-                             "".join(parts))
-    for j, (i, _, name) in enumerate(entries):
-        expr = f"day7_v{i}::{name}"
-        unit += (f'extern "C" int emu_launch_{j}(const unsigned* grid, const unsigned* block, '
-                 f"std::size_t smem, void** args, unsigned seed) {{\n"
-                 f"  return emu::launch(&{expr}, grid, block, smem, args, seed);\n}}\n"
-                 f'extern "C" int emu_signature_{j}(emu::ArgInfo* out) {{\n'
-                 f"  return emu::signature(&{expr}, out);\n}}\n")
+    unit = cuda_emu.emulator_unit(
+        "".join(parts), [f"day7_v{i}::{name}" for i, _, name in entries])
     return unit, [(variant, name) for _, variant, name in entries]
 
 
@@ -487,33 +469,16 @@ def build(variants: list[Variant]) -> list[Library]:
     return [_BUILT[v] for v in variants]
 
 
-def _compile(unit: str) -> Path:
-    cxx = cuda_emu.compiler()
-    if cxx is None:
+def _compile(unit: str) -> ctypes.PyDLL:
+    if cuda_emu.compiler() is None:
         raise AssertionError(
             "the CUDA exercises run in the CPU emulator, which needs a C++ compiler: install "
             "g++ (GCC 12 or newer, for _Float16) or set $CXX"
         )
-    headers = sorted(ops.CSRC_DIR.glob("*.cuh")) + [cuda_emu.HEADER]
-    key = hashlib.sha256(
-        "\0".join([cxx, *_CXX_FLAGS, unit, *(h.read_text() for h in headers)]).encode()
-    ).hexdigest()[:20]
-    cache = Path(tempfile.gettempdir()) / "minivllm-cuda-emu"
-    cache.mkdir(exist_ok=True)
-    library = cache / f"day7-{key}.so"
-    if not library.exists():
-        # Per-process names until the final rename: concurrent builds see no half file.
-        unit_path = library.with_suffix(f".{os.getpid()}.cpp")
-        unit_path.write_text(unit)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, *_CXX_FLAGS, "-include", str(cuda_emu.HEADER), f"-I{ops.CSRC_DIR}",
-               str(unit_path), "-o", str(partial)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        unit_path.unlink()
-        if result.returncode != 0:
-            raise CompileError(_compile_message(result.stderr))
-        partial.replace(library)
-    return library
+    try:
+        return cuda_emu.build(unit, "day7", opt="-O0")
+    except cuda_emu.CompileError as error:
+        raise CompileError(_compile_message(error.stderr)) from None
 
 
 _COMPILE_HINTS = [

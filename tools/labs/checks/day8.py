@@ -36,7 +36,12 @@ from minivllm.attention.kv_cache import gather_kv
 from tools.bench.attention import moved_bytes
 from tools.labs.checks._common import needs, passed
 from tools.labs.checks._engine_runs import learner_code, quiet_engine
-from tools.labs.checks.day4 import Launch, describe_argument, kernel_parameters
+from tools.labs.checks.day4 import (
+    Launch,
+    describe_argument,
+    kernel_parameters,
+    recorded_launches,
+)
 
 __all__ = ["ENGINE_BLOCK_SIZE", "ENGINE_PARTITION_SIZE", "LLAMA_8B", "SHIPPED", "EmulatedV2",
            "Launch", "decode_steps", "emulated_v2", "exercise_1", "exercise_2", "exercise_3",
@@ -789,16 +794,9 @@ def v2_launches(seq_lens=(1100, 300), num_heads: int = 4, num_kv_heads: int = 2,
     query = torch.zeros(num_seqs, num_heads, head_size)
     kv_cache = torch.zeros(2, num_seqs * max_blocks + 1, block_size, num_kv_heads, head_size)
     tables = torch.arange(1, num_seqs * max_blocks + 1).view(num_seqs, max_blocks)
-    launches: list[Launch] = []
-    saved = ops._kernel, ops._launch
-    ops._kernel = lambda source, names, name: name
-    ops._launch = lambda kernel, grid, args, shared_mem=0: launches.append(
-        Launch(kernel, grid, args, shared_mem))
-    try:
+    with recorded_launches() as launches:
         ops.paged_attention_v2(torch.empty_like(query), query, kv_cache[0], kv_cache[1], tables,
                                torch.tensor(seq_lens), head_size**-0.5, max_len)
-    finally:
-        ops._kernel, ops._launch = saved
     return launches
 
 
