@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from minivllm import LLM, SamplingParams
+from minivllm.outputs import RequestOutput
 from tools.bench.common import (
     BenchRequest,
     WorkloadSpec,
@@ -90,12 +91,15 @@ class LatencyRun:
         }
 
 
-def serve(llm: LLM, requests: list[BenchRequest], arrivals: list[float]) -> LatencyRun:
+def serve_outputs(
+    llm: LLM, requests: list[BenchRequest], arrivals: list[float]
+) -> list[RequestOutput]:
     """Feed the requests at their arrival times (seconds from now) and step
-    the engine until all are done; each request's latencies."""
+    the engine until all are done; each request's final output, whose
+    metrics are the engine's wall-clock times."""
     engine = llm.llm_engine
     start = time.time()
-    finished = {}
+    finished: dict[int, RequestOutput] = {}
     next_request = 0
     while next_request < len(requests) or engine.has_unfinished_requests():
         now = time.time() - start
@@ -115,12 +119,19 @@ def serve(llm: LLM, requests: list[BenchRequest], arrivals: list[float]) -> Late
         for out in engine.step():
             if out.finished:
                 finished[int(out.request_id)] = out
+    return [finished[i] for i in range(len(requests))]
+
+
+def serve(llm: LLM, requests: list[BenchRequest], arrivals: list[float]) -> LatencyRun:
+    """`serve_outputs`, then each request's latencies."""
+    start = time.time()
+    outputs = serve_outputs(llm, requests, arrivals)
     results = []
-    for i in range(len(requests)):
-        m, n = finished[i].metrics, len(finished[i].outputs[0].token_ids)
+    for i, out in enumerate(outputs):
+        m, n = out.metrics, len(out.outputs[0].token_ids)
         tpot = (m.finished_time - m.first_token_time) / (n - 1) if n > 1 else None
         results.append(RequestLatency(arrivals[i], m.first_token_time - m.arrival_time, tpot, n))
-    config = engine.engine_config
+    config = llm.llm_engine.engine_config
     sched = config.scheduler_config
     return LatencyRun(
         "V1" if config.use_v1 else "classic",

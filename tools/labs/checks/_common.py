@@ -27,3 +27,26 @@ class needs:
             )
             return True
         return False
+
+
+class SameEqualities:
+    """Checks, one value at a time, that the learner's hashes are equal exactly
+    where the reference's are: a hash of theirs given to two different reference
+    values is a collision, a reference value given two hashes of theirs a split.
+    `where` is what the message names (a case and a block index, say)."""
+
+    def __init__(self) -> None:
+        self._first_of_mine: dict = {}  # learner's hash -> (reference value, where)
+        self._first_of_ref: dict = {}  # reference value -> (learner's hash, where)
+
+    def add(self, mine, ref, where) -> tuple[str, object] | None:
+        """None if consistent so far, else ("collision" or "split", the earlier `where`)."""
+        seen = self._first_of_mine.get(mine)
+        if seen is not None and seen[0] != ref:
+            return "collision", seen[1]
+        self._first_of_mine[mine] = (ref, where)
+        seen = self._first_of_ref.get(ref)
+        if seen is not None and seen[0] != mine:
+            return "split", seen[1]
+        self._first_of_ref[ref] = (mine, where)
+        return None

@@ -248,6 +248,13 @@ def describe_step(step: dict) -> str:
     )
 
 
+def the_step_before(trace: Trace, step: int) -> str:
+    """A message's closing lines: the reference's step before `step` (none for the first)."""
+    if not 0 < step <= len(trace.steps):
+        return ""
+    return "\nThe step before, in the reference:\n  " + describe_step(trace.steps[step - 1])
+
+
 def token_prompts(
     lengths: list[int],
     *,
@@ -286,15 +293,10 @@ def compare_runs(
         hint = (refine_hint and refine_hint(field, want, have)) or hints.get(
             field, _FALLBACK_HINT
         )
-        context = ""
-        if 0 < step <= len(ref.trace.steps):
-            context = "\nThe step before, in the reference:\n  " + describe_step(
-                ref.trace.steps[step - 1]
-            )
         raise AssertionError(
             f"{label}: step {step}'s {field} differ from the reference's.\n"
             f"  reference: {want}\n  yours:     {have}\n"
-            f"Hint: {hint}{context}"
+            f"Hint: {hint}{the_step_before(ref.trace, step)}"
         )
     assert got.outputs == ref.outputs, (
         f"{label}: the generated tokens differ from the reference's although {agreed}."

@@ -30,13 +30,17 @@ from minivllm.core.prefix_caching import CachedBlockAllocator, hash_block_tokens
 from minivllm.tracer import load_trace
 from minivllm.tracer.scenario import SCENARIO_DIR, load_scenario, run_scenario
 from minivllm.tracer.trace import Trace
-from tools.labs.checks._common import needs, passed  # noqa: F401 - needs: for the notebook
+from tools.labs.checks._common import (  # noqa: F401 - needs: for the notebook
+    SameEqualities,
+    needs,
+    passed,
+)
 from tools.labs.checks._engine_runs import (
     StepLimit,
-    describe_step,
     first_difference,
     learner_code,
     quiet_engine,
+    the_step_before,
 )
 
 DAY = 10
@@ -146,13 +150,10 @@ def _compare_runs(ref: Run, got: Run, what: str, hint_more: str, hint_fewer: str
     diff = first_difference(ref.trace, got.trace, fields)
     if diff is not None:
         step, field, want, have = diff
-        before = ""
-        if 0 < step <= len(ref.trace.steps):
-            before = "\nThe step before, in the reference:\n  " + describe_step(
-                ref.trace.steps[step - 1])
         raise AssertionError(
             f"Day {DAY}, {what}: step {step}'s {field} differ from the reference's.\n"
-            f"  reference: {want}\n  yours:     {have}\nHint: {hint_steps}{before}")
+            f"  reference: {want}\n  yours:     {have}\nHint: {hint_steps}"
+            f"{the_step_before(ref.trace, step)}")
     for name in ref.names:
         if got.tokens[name] != ref.tokens[name]:
             raise AssertionError(
@@ -294,8 +295,7 @@ def _why_collide(a: HashCase, i: int, b: HashCase, j: int) -> str:
 
 def _check_relation(fn, cases: list[HashCase]) -> None:
     """Equal exactly where the engine's hashes are equal."""
-    by_mine: dict[Any, tuple[Any, HashCase, int]] = {}
-    by_ref: dict[Any, tuple[Any, HashCase, int]] = {}
+    agreement = SameEqualities()
     for case in cases:
         got = _call_hashes(fn, case)
         again = _call_hashes(fn, case)
@@ -307,25 +307,21 @@ def _check_relation(fn, cases: list[HashCase]) -> None:
                 "request could find the block.")
         want = reference_hashes(list(case.token_ids), case.block_size)
         for k, (mine, ref) in enumerate(zip(got, want, strict=True)):
-            key = (case.block_size, ref)
-            seen = by_mine.get(mine)
-            if seen is not None and seen[0] != key:
-                _, other, k2 = seen
+            clash = agreement.add(mine, (case.block_size, ref), (case, k))
+            if clash is None:
+                continue
+            kind, (other, k2) = clash
+            if kind == "collision":
                 raise AssertionError(
                     f"Day {DAY}, exercise 1: block {k2} of ({other.describe()}) and block {k} "
                     f"of ({case.describe()}) hold different prefixes, yet your hashes for them "
                     f"are equal.\nHint: {_why_collide(other, k2, case, k)}")
-            by_mine[mine] = (key, case, k)
-            seen = by_ref.get(key)
-            if seen is not None and seen[0] != mine:
-                _, other, k2 = seen
-                raise AssertionError(
-                    f"Day {DAY}, exercise 1: block {k2} of ({other.describe()}) and block {k} "
-                    f"of ({case.describe()}) hold the same tokens after the same prefix, yet "
-                    "your hashes for them differ.\nHint: hash only (parent hash, the block's "
-                    "tokens as a tuple): equal prefixes must give equal hashes, or nothing "
-                    "is ever found.")
-            by_ref[key] = (mine, case, k)
+            raise AssertionError(
+                f"Day {DAY}, exercise 1: block {k2} of ({other.describe()}) and block {k} "
+                f"of ({case.describe()}) hold the same tokens after the same prefix, yet "
+                "your hashes for them differ.\nHint: hash only (parent hash, the block's "
+                "tokens as a tuple): equal prefixes must give equal hashes, or nothing "
+                "is ever found.")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ likely mistake named), then every step of the run and the tokens with the
 reference run. Exercise 3 checks TTFT, TPOT and the percentile on recorded
 timestamps. The notebook's measurements use `simulate` (the real scheduler
 on the dry run, with a modeled step clock: deterministic) and
-`serve_outputs` (the real model in real time, as tools/bench/latency.py's
-`serve` does, keeping the outputs).
+`serve_outputs` (tools/bench/latency.py's: the real model in real time,
+each request's final output).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import functools
 import math
 import os
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,12 +37,13 @@ from minivllm.tracer.scenario import Scenario, run_scenario
 from minivllm.tracer.trace import Trace
 from tools.bench.common import BenchRequest
 from tools.bench.common import percentile as reference_percentile
+from tools.bench.latency import serve_outputs  # noqa: F401 - for the notebook
 from tools.labs.checks._common import needs, passed  # noqa: F401 - needs: for the notebook
 from tools.labs.checks._engine_runs import (
     BatchRecorder,
-    describe_step,
     first_difference,
     quiet_engine,
+    the_step_before,
     token_prompts,
     where_it_failed,
 )
@@ -543,15 +543,11 @@ def _check_workload(cls: type, index: int) -> None:
     diff = first_difference(ref.trace, got.trace)
     if diff is not None:
         step, field, want, have = diff
-        context = ""
-        if 0 < step <= len(ref.trace.steps):
-            context = "\nThe step before, in the reference:\n  " + describe_step(
-                ref.trace.steps[step - 1])
         raise AssertionError(
             f"{label}: every _get_num_new_tokens answer was right, yet step {step}'s {field} "
             f"differ from the reference's.\n  reference: {want}\n  yours:     {have}\n"
             "Hint: _get_num_new_tokens must only compute a number: leave the budget, the queues "
-            f"and the sequences as they are.{context}"
+            f"and the sequences as they are.{the_step_before(ref.trace, step)}"
         )
     assert got.tokens == ref.tokens, (
         f"{label}: the generated tokens differ from the reference's although every step "
@@ -849,30 +845,3 @@ def simulate(enable_chunked_prefill: bool, max_num_batched_tokens: int, workload
                 out.metrics = m
                 done[out.request_id] = out
     return [done[str(i)] for i in range(len(requests))]
-
-
-def serve_outputs(llm: LLM, requests: list[BenchRequest], arrivals: list[float]
-                  ) -> list[RequestOutput]:
-    """tools/bench/latency.py's `serve`, keeping what it throws away: feed the
-    requests at their arrival times (seconds from now), step the engine until
-    all are done, and return each request's final RequestOutput (its metrics
-    are the engine's wall-clock times)."""
-    engine = llm.llm_engine
-    start = time.time()
-    done: dict[int, RequestOutput] = {}
-    next_request = 0
-    while next_request < len(requests) or engine.has_unfinished_requests():
-        now = time.time() - start
-        while next_request < len(requests) and arrivals[next_request] <= now:
-            r = requests[next_request]
-            params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
-            engine.add_request(str(next_request), {"prompt_token_ids": r.prompt_token_ids},
-                               params, arrival_time=start + arrivals[next_request])
-            next_request += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[next_request] - (time.time() - start)))
-            continue
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out
-    return [done[i] for i in range(len(requests))]

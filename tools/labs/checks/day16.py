@@ -32,7 +32,11 @@ from minivllm.v1.core.kv_cache_utils import (
 )
 from minivllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from minivllm.v1.engine.core_client import InprocClient
-from tools.labs.checks._common import needs, passed  # noqa: F401 - needs: for the notebook
+from tools.labs.checks._common import (  # noqa: F401 - needs: for the notebook
+    SameEqualities,
+    needs,
+    passed,
+)
 from tools.labs.checks._engine_runs import learner_code, quiet_engine, token_prompts
 
 DAY = 16
@@ -346,8 +350,7 @@ def _check_hash_counts(fn, cases: list[HashCase]) -> None:
 
 def _check_hash_relation(fn, cases: list[HashCase]) -> None:
     """Equal where the engine's hashes are equal, different where they differ."""
-    mine_of: dict[bytes, tuple[bytes, HashCase, int]] = {}
-    ref_of: dict[bytes, tuple[bytes, HashCase, int]] = {}
+    agreement = SameEqualities()
     for case in cases:
         got = _call_hash(fn, case)
         want = reference_hashes(case.block_size, list(case.token_ids), case.extra_keys)
@@ -359,25 +362,22 @@ def _check_hash_relation(fn, cases: list[HashCase]) -> None:
                 "hash and the extra keys only (nothing random, no id() of an object), or no "
                 "later request could find the block.")
         for k, (mine, ref) in enumerate(zip(got, want, strict=True)):
-            key = (case.block_size, ref)  # one hash space per block size
-            seen = ref_of.get(mine)
-            if seen is not None and seen[0] != key:
-                _, other, k2 = seen
+            # One hash space per block size.
+            clash = agreement.add(mine, (case.block_size, ref), (case, k))
+            if clash is None:
+                continue
+            kind, (other, k2) = clash
+            if kind == "collision":
                 raise AssertionError(
                     f"Day {DAY}, exercise 1: block {k2} of ({other.describe()}) and block {k} "
                     f"of ({case.describe()}) hold different prefixes, but your hashes for them "
                     f"are equal.\nHint: {_diagnose_collision(other, k2, case, k)}")
-            ref_of[mine] = (key, case, k)
-            seen = mine_of.get(key)
-            if seen is not None and seen[0] != mine:
-                _, other, k2 = seen
-                raise AssertionError(
-                    f"Day {DAY}, exercise 1: block {k2} of ({other.describe()}) and block {k} "
-                    f"of ({case.describe()}) hold the same tokens after the same prefix, but "
-                    "your hashes for them differ.\nHint: hash only (parent hash, this block's "
-                    "tokens as a tuple, extra keys): equal inputs must give equal hashes, or "
-                    "the prefix cache never hits.")
-            mine_of[key] = (mine, case, k)
+            raise AssertionError(
+                f"Day {DAY}, exercise 1: block {k2} of ({other.describe()}) and block {k} "
+                f"of ({case.describe()}) hold the same tokens after the same prefix, but "
+                "your hashes for them differ.\nHint: hash only (parent hash, this block's "
+                "tokens as a tuple, extra keys): equal inputs must give equal hashes, or "
+                "the prefix cache never hits.")
 
 
 @contextlib.contextmanager
