@@ -316,6 +316,12 @@ def test_a_client_that_disconnects_is_aborted(server, client, llm):
     with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as r:
         received = [line for line, _ in zip(r.iter_lines(), range(6), strict=False) if line]
         assert len(received) == 3  # three chunks, then hang up
+        # The gauge is set from a step's stats after its outputs are sent, so
+        # the chunks can arrive first: wait for it (the request runs on).
+        deadline = time.monotonic() + 5
+        while (server.metrics()["vllm:gpu_cache_usage_perc"] == 0
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
         assert server.metrics()["vllm:gpu_cache_usage_perc"] > 0
     other_text = "".join(c.choices[0].text for c in other)
     assert other_text == offline(llm, PROMPTS[1], max_tokens=60, temperature=0).outputs[0].text
