@@ -18,18 +18,22 @@ import openai
 import pytest
 
 from minivllm import LLM, SamplingParams
+from tests.paced_scheduler import LONG_MAX_TOKENS
 from tests.server_utils import RemoteOpenAIServer, num_successes
 
 # A real server process for the module (about 10 s to start, a minute in all).
 pytestmark = pytest.mark.slow
 
 MODEL = "minivllm-stories"
+PACED = "tests.paced_scheduler.LongRequestPacedScheduler"
 PROMPTS = ["Once upon a time", "The little dog", "Long ago, there was a shy rabbit called Tom"]
 
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteOpenAIServer([]) as remote:
+    # Steps are paced while a LONG_MAX_TOKENS request runs: a client can hang
+    # up on it before it finishes, however fast the machine.
+    with RemoteOpenAIServer(["--scheduler-cls", PACED]) as remote:
         yield remote
 
 
@@ -528,7 +532,8 @@ def test_metrics_move_as_requests_run(server, client):
 def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server):
     """Not streamed: the handler notices the hang-up at the next output."""
     before = wait_until_idle(server)
-    body = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, ignore_eos=True)
+    body = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=LONG_MAX_TOKENS, temperature=0,
+                ignore_eos=True)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url_for("v1", "completions"), json=body, timeout=0.5)
     after = wait_until_idle(server)
@@ -543,7 +548,8 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server, client, llm):
     it still gets exactly the offline text."""
     before = wait_until_idle(server)
     body = dict(
-        model=MODEL, prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True, ignore_eos=True
+        model=MODEL, prompt=PROMPTS[0], max_tokens=LONG_MAX_TOKENS, temperature=0, stream=True,
+        ignore_eos=True
     )
     other = client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=60, temperature=0, stream=True

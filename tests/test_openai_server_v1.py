@@ -25,6 +25,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.v1.core.sched.scheduler import Scheduler as V1Scheduler
 from tests.failing_scheduler import FAULT_AFTER, FAULT_MAX_TOKENS, InjectedFault
+from tests.paced_scheduler import LONG_MAX_TOKENS
 from tests.server_utils import RemoteOpenAIServer, num_successes
 from tests.test_openai_server import BAD_FIELDS, COMPLETION, sse_events, wait_until_idle
 
@@ -47,7 +48,11 @@ class FailingV1Scheduler(V1Scheduler):
 
 
 def engine_flags(engine: str) -> list[str]:
-    return ["--use-v1"] if engine == "v1" else []
+    """Steps are paced while a LONG_MAX_TOKENS request runs, so a client can
+    hang up on it before it finishes however fast the machine."""
+    if engine == "v1":
+        return ["--use-v1", "--scheduler-cls", "tests.paced_scheduler.LongRequestPacedV1Scheduler"]
+    return ["--scheduler-cls", "tests.paced_scheduler.LongRequestPacedScheduler"]
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -308,7 +313,8 @@ def test_a_client_that_disconnects_is_aborted(server, client, llm):
     request running beside them gets exactly the offline text."""
     before = wait_until_idle(server)
     body = dict(
-        model=MODEL, prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True, ignore_eos=True
+        model=MODEL, prompt=PROMPTS[0], max_tokens=LONG_MAX_TOKENS, temperature=0, stream=True,
+        ignore_eos=True,
     )
     other = client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=60, temperature=0, stream=True
