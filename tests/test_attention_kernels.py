@@ -168,6 +168,30 @@ def test_loader_sources_compile_with_nvrtc(arch, source):
 # The engine with each backend ------------------------------------------------
 
 
+FIRST_NUMBA_KERNEL_IN_ONE_THREAD = """
+import torch
+from minivllm.attention.backends.numba_paged import NumbaPagedAttention
+torch.set_num_threads(1)
+kv = torch.randn(2, 4, 16, 2, 16)
+query = torch.randn(1, 4, 16)
+NumbaPagedAttention(4, 16, 0.25, 2).forward_decode(
+    query, kv, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1
+)
+print(torch.get_num_threads())
+"""
+
+
+def test_the_numba_pool_leaves_torch_threads_as_they_were():
+    """Numba's OpenMP pool sets the thread count as it starts (first kernel
+    of a process); torch's runtime must keep the count it was given."""
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_NUMBA_KERNEL_IN_ONE_THREAD],
+        env={**os.environ, "NUMBA_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1"]
+
+
 def test_engine_numba_backend_matches_torch(tiny_model_dir):
     """Greedy tokens with the Numba decode kernel equal the reference backend's,
     for plain, GQA and multi-block sequences (block_size 8, up to 60 + 24 tokens)."""

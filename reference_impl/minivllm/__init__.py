@@ -1,5 +1,8 @@
 """minivllm: a small, complete engine that works the way vLLM does."""
 
+# First, before anything imports torch: the OpenMP setting of envs.py.
+import minivllm.envs  # noqa: F401, I001
+
 from minivllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from minivllm.engine.async_llm_engine import AsyncLLMEngine
 from minivllm.engine.llm_engine import LLMEngine

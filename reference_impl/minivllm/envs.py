@@ -36,13 +36,17 @@ And one that is not ours (vLLM's list has such too, CUDA_HOME for one):
 - CXX: the host C++ compiler the CUDA emulator builds kernels with
   (cuda_emu/; default g++).
 
-And one minivllm sets, for a library to read (`set_numba_num_threads`):
+And two minivllm sets, for a library to read:
 
-- NUMBA_NUM_THREADS: the size of Numba's thread pool, set in each
-  tensor-parallel worker process (executor/multiproc_worker_utils.py,
-  executor/ray_utils.py) to the rank's share of the cores before Numba
-  starts the pool, whose idle threads would otherwise spin on the cores of
-  the other ranks.
+- OMP_WAIT_POLICY: "PASSIVE" unless already set, as soon as minivllm is
+  imported (`minivllm/__init__.py` imports this module before anything
+  imports torch; vLLM sets its own such variables in `vllm/env_override.py`).
+  See `_prefer_passive_openmp_threads` below.
+- NUMBA_NUM_THREADS (`set_numba_num_threads`): the size of Numba's thread
+  pool, set in each tensor-parallel worker process
+  (executor/multiproc_worker_utils.py, executor/ray_utils.py) to the rank's
+  share of the cores before Numba starts the pool, whose idle threads would
+  otherwise spin on the cores of the other ranks.
 """
 
 from __future__ import annotations
@@ -73,3 +77,25 @@ def __dir__() -> list[str]:
 def set_numba_num_threads(num_threads: int) -> None:
     """Size Numba's thread pool for this process; only before it starts."""
     os.environ["NUMBA_NUM_THREADS"] = str(num_threads)
+
+
+def _prefer_passive_openmp_threads() -> None:
+    """OpenMP threads that sleep between parallel regions instead of spinning.
+
+    A CPU step alternates torch's operators, run by torch's OpenMP threads,
+    with the Numba decode-attention kernel, run by Numba's: a second OpenMP
+    runtime (Numba links the system's libgomp, torch ships its own). By
+    default a thread that finishes its share busy-waits for the next region,
+    so while Numba's threads attend torch's spin on the same cores, and the
+    other way round while torch multiplies: on 2 cores decode steps ran 2-4x
+    slower than with passive waiting, far worse with another job on the
+    machine. A passive thread sleeps at once; waking it costs microseconds.
+
+    libgomp reads the variable once, when it is loaded (torch's at `import
+    torch`, Numba's at its first parallel kernel): it takes effect only if
+    minivllm is imported before torch. A value already set wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+_prefer_passive_openmp_threads()

@@ -29,7 +29,8 @@ class NumbaPagedAttention(TorchPagedAttention):
         # tensor-parallel rank its share of the cores (torch.set_num_threads)
         # then limits this kernel too, instead of every rank's threads
         # spinning on all the cores (tp=2 on 2 cores: 2-3x slower steps).
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        threads = torch.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         # .numpy() shares memory with the CPU tensors: no copies.
         paged_attention_decode(
             out.numpy(),
@@ -40,6 +41,12 @@ class NumbaPagedAttention(TorchPagedAttention):
             seq_lens.numpy(),
             self.scale,
         )
+        # Numba's OpenMP pool, starting at its first kernel, sets the OpenMP
+        # thread count to its own size, and the call reaches torch's runtime
+        # too: a process given 1 thread (OMP_NUM_THREADS=1, one per
+        # tensor-parallel rank) would compute on 2 from then on.
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         return out
 
 
