@@ -8,7 +8,8 @@ contiguously (the non-paged baseline). It prints time, achieved bandwidth
 bandwidth, and the kernel's speed-up over each baseline.
 
 On a CPU (float32, 8 query heads, 2 KV heads, head size 64): the Numba kernel
-against the PyTorch reference.
+against the PyTorch reference, and its bandwidth as a fraction of this
+machine's read bandwidth, measured in the same run (tools/bench/machine.py).
 
     python -m tools.bench.attention                 # CPU, or GPU if there is one
     python -m tools.bench.attention --device cpu --json out.json
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
+from tools.bench import machine
 from tools.bench.common import print_table
 
 # Nominal HBM bandwidth (bytes/s) by device-name fragment.
@@ -126,6 +128,7 @@ def bench_cpu(batches, contexts, repeats) -> list[dict]:
     nh, nkv, hs, bs, dtype = 8, 2, 64, 16, torch.float32
     ref = TorchPagedAttention(nh, hs, hs**-0.5, nkv)
     fast = NumbaPagedAttention(nh, hs, hs**-0.5, nkv)
+    bandwidth = machine.read_bandwidth().per_second
     rows = []
     for batch in batches:
         for context in contexts:
@@ -141,6 +144,7 @@ def bench_cpu(batches, contexts, repeats) -> list[dict]:
                     numba_ms=t_numba * 1e3,
                     torch_gather_ms=t_ref * 1e3,
                     numba_GBps=gbytes / t_numba / 1e9,
+                    numba_bandwidth_fraction=gbytes / t_numba / bandwidth,
                     numba_vs_torch_gather=t_ref / t_numba,
                 )
             )

@@ -5,7 +5,8 @@ It has no profiler labels of its own, so `labelled(llm)` wraps six of its hot
 functions, on that engine's objects only, in `torch.profiler.record_function`
 regions: `schedule`, `prepare_inputs`, `model` (the forward pass and the LM head),
 `attention` (each layer's attention implementation, K/V write included), `sampler`
-and `process`; `profile_steps` adds a `step` region around each step. The checkers:
+and `process`; `profile_steps` adds a `step` region around each step. Both live in
+tools/bench/profiling.py (the roofline benchmark uses them too). The checkers:
 
 1. `time_by_part(events)`: on a made-up profile whose every number is known, then
    on a real profile of decode steps, against the reference grouping;
@@ -27,34 +28,32 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from minivllm import LLM, SamplingParams
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.worker.model_runner import FlatBatch, ModelInput, ModelRunner
+from tools.bench.profiling import (  # noqa: F401 - labelled, profile_steps: for the notebook
+    LABELS,
+    MATMUL_OPS,
+    innermost_label,
+    labelled,
+    profile_steps,
+)
 from tools.labs.checks._common import needs, passed  # noqa: F401 - needs: for the notebook
 from tools.labs.checks._engine_runs import learner_code, quiet_engine, token_prompts
 
 DAY = 12
 
-# Kineto, torch's profiler back end, prints two log lines to stderr each time a
-# profile starts and stops; level 6 is above all of its levels (read at first use).
-os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-
 # A small engine: blocks of 16 tokens, 96 of them, up to 16 sequences a step.
 ENGINE = dict(max_model_len=128, max_num_seqs=16, num_gpu_blocks_override=96,
               max_num_batched_tokens=512, disable_log_stats=True)
 
-# The profiler regions `labelled` adds, innermost wins; and the matrix products.
-LABELS = ("step", "schedule", "prepare_inputs", "model", "attention", "sampler", "process")
-MATMUL_OPS = ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm")
 PARTS = ("matmul", "attention", "model_other", "sampling", "bookkeeping")
 
 
@@ -91,57 +90,7 @@ def shared_llm() -> LLM:
     return make_llm()
 
 
-# -- labelling and profiling the engine --------------------------------------------------
-
-def _wrap(obj: Any, attr: str, label: str, undo: list[Callable[[], None]]) -> None:
-    inner = getattr(obj, attr)
-
-    @functools.wraps(inner)
-    def labelled_call(*args, **kwargs):
-        with record_function(label):
-            return inner(*args, **kwargs)
-
-    had_own = attr in vars(obj)
-    setattr(obj, attr, labelled_call)
-    undo.append(lambda: setattr(obj, attr, inner) if had_own else delattr(obj, attr))
-
-
-@contextlib.contextmanager
-def labelled(llm: LLM) -> Iterator[LLM]:
-    """Put profiler labels around the hot functions of this engine (its own
-    objects only; the classes are untouched), for as long as the block runs."""
-    engine = llm.llm_engine
-    runner = engine.worker.model_runner
-    undo: list[Callable[[], None]] = []
-    _wrap(engine.scheduler, "schedule", "schedule", undo)
-    _wrap(runner, "prepare_model_input", "prepare_inputs", undo)
-    _wrap(runner.model, "forward", "model", undo)
-    _wrap(runner.model, "compute_logits", "model", undo)
-    for module in runner.model.modules():
-        impl = getattr(module, "impl", None)
-        if impl is not None and hasattr(impl, "forward_decode"):
-            _wrap(impl, "forward", "attention", undo)
-    _wrap(runner.sampler, "forward", "sampler", undo)
-    _wrap(engine, "_process_model_outputs", "process", undo)
-    try:
-        yield llm
-    finally:
-        for restore in reversed(undo):
-            restore()
-
-
-def profile_steps(llm: LLM, num_steps: int = 1) -> list:
-    """The profiler events of the engine's next `num_steps` steps, each inside a
-    `step` region, with the labels of `labelled`: a list of torch's
-    FunctionEvent (`.name`, `.self_cpu_time_total`, `.cpu_time_total` in µs,
-    `.cpu_parent`, `.cpu_children`)."""
-    engine = llm.llm_engine
-    with labelled(llm), profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(num_steps):
-            with record_function("step"):
-                engine.step()
-    return list(prof.events())
-
+# -- driving the engine (labels and profiles: tools/bench/profiling.py) -----------------
 
 def add_requests(llm: LLM, prompts: list[list[int]], max_tokens: int, prefix: str = "r") -> None:
     for i, tokens in enumerate(prompts):
@@ -193,15 +142,6 @@ def direct_calls(events: list, label: str) -> list[str]:
 
 
 # -- exercise 1: where one step's time goes -------------------------------------------------
-
-def innermost_label(event) -> str | None:
-    e = event
-    while e is not None:
-        if e.name in LABELS:
-            return e.name
-        e = e.cpu_parent
-    return None
-
 
 def reference_time_by_part(events) -> dict[str, float]:
     """Each event's SELF time goes to one part, decided by the innermost label

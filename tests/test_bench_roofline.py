@@ -1,0 +1,183 @@
+"""The roofline benchmark's accounting (tools/bench/roofline.py), never its
+timings: the FLOPs and bytes it counts for a step against FlopCounterMode
+on the real model, Day 8's decode oracles and hand-worked numbers; the time
+split against a profile whose every number is known and against a real
+profile of the tiny engine; and a `--quick` run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from minivllm import LLM
+from tools.bench import roofline
+from tools.bench.common import MODEL_PRESETS
+from tools.bench.profiling import profile_steps
+from tools.bench.roofline import (
+    ModelShape,
+    StepShape,
+    attention_bytes,
+    attention_flops,
+    grouped,
+    profiled_step_us,
+    recording_shapes,
+    step_work,
+    time_by_part,
+)
+from tools.labs.checks import day8, day12
+
+
+def _engine(model_dir: str, **kw) -> LLM:
+    return LLM(model_dir, block_size=16, seed=0, **kw)
+
+
+def _add(llm: LLM, lengths: list[int], max_tokens: int, prefix: str) -> None:
+    rng = random.Random(len(lengths))
+    for i, n in enumerate(lengths):
+        prompt = [rng.randrange(2, 384) for _ in range(n)]
+        llm.llm_engine.add_request(f"{prefix}{i}", {"prompt_token_ids": prompt},
+                                   roofline.greedy(max_tokens))
+
+
+def test_the_20m_models_weights_by_hand():
+    """hidden 512, MLP 1376, 7 layers, 8 heads and 4 KV heads of 64, vocab 384.
+    Per layer: qkv 512 x (512 + 2 x 256) = 524,288; o 512 x 512 = 262,144;
+    gate, up and down 3 x 512 x 1376 = 2,113,536: 2,899,968. Seven layers:
+    20,299,776; LM head 384 x 512 = 196,608; norms 15 x 512 = 7,680."""
+    config = MODEL_PRESETS["20m"][1]
+    model = ModelShape(7, 512, 1376, 8, 4, 64, 384)
+    assert (config["num_hidden_layers"], config["intermediate_size"]) == (7, 1376)
+    assert model.layer_matmul_params == 2_899_968
+    assert model.token_matmul_params == 20_299_776
+    assert model.weight_bytes == 4 * (20_299_776 + 196_608 + 7_680)  # 82.0 MB
+    # A decode of one sequence at 257 tokens: K/V 2 x 257 x 4 x 64 floats per layer,
+    # query and output 2 x 8 x 64.
+    work = step_work(model, StepShape((1,), (257,), logit_rows=1, num_prefills=0))
+    assert work.matmul_flops == 2 * (20_299_776 + 196_608)
+    assert work.attention_flops == 7 * 4 * 8 * 64 * 257
+    assert work.attention_bytes == 7 * 4 * (2 * 257 * 4 * 64 + 2 * 8 * 64)
+    assert work.kv_write_bytes == 7 * 4 * 2 * 4 * 64
+
+
+def test_decode_attention_counts_match_day8_oracles():
+    """Day 8's references: the bytes of `moved_bytes` per sequence and layer,
+    the FLOPs as FlopCounterMode counts a reference decode on meta tensors."""
+    model = ModelShape(4, 192, 512, 6, 2, 32, 384)
+    seq_lens = [17, 100, 5]
+    sizes = dict(num_layers=4, num_heads=6, num_kv_heads=2, head_size=32)
+    assert sum(attention_bytes(model, 1, n) for n in seq_lens) == day8.oracle_bytes(
+        seq_lens, dtype=torch.float32, **sizes)
+    assert sum(attention_flops(model, 1, n) for n in seq_lens) == day8.oracle_flops(
+        seq_lens, **sizes)
+
+
+def test_step_flops_match_flop_counter_on_the_real_model(tiny_model_dir):
+    """FlopCounterMode around whole engine steps of the tiny Llama, on the
+    PyTorch attention path (the Numba kernel is invisible to it): the
+    products (aten.mm) are the matmul FLOPs, the batched products of
+    attention (aten.bmm) the attention FLOPs. Prefills of different lengths
+    check the per-sequence q_len x seq_len square; the decode's sequences
+    are 32 tokens, two whole blocks, so that the reference's padding to the
+    longest block table computes nothing extra."""
+    llm = _engine(tiny_model_dir("llama"), attention_backend="torch")
+    model = ModelShape.from_config(llm.llm_engine.model_config.hf_config)
+    params = dict(llm.llm_engine.worker.model_runner.model.named_parameters())
+    # Every parameter but the (untied) embedding table is read once per step.
+    read = sum(p.numel() for name, p in params.items() if "embed_tokens" not in name)
+    assert model.weight_bytes == 4 * read
+
+    def counted_steps() -> list[tuple[StepShape, dict[str, int]]]:
+        out = []
+        while llm.llm_engine.has_unfinished_requests():
+            with recording_shapes(llm) as shapes, FlopCounterMode(display=False) as counter:
+                llm.llm_engine.step()
+            by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+            out.append((shapes[0], by_op))
+        return out
+
+    _add(llm, [20, 9, 13], max_tokens=1, prefix="p")
+    _add(llm, [31, 31], max_tokens=2, prefix="d")
+    steps = counted_steps()
+    shapes = [shape for shape, _ in steps]
+    assert shapes == [
+        StepShape((20, 9, 13, 31, 31), (20, 9, 13, 31, 31), logit_rows=5, num_prefills=5),
+        StepShape((1, 1), (32, 32), logit_rows=2, num_prefills=0),
+    ]
+    for shape, by_op in steps:
+        work = step_work(model, shape)
+        assert by_op == {"aten.mm": work.matmul_flops, "aten.bmm": work.attention_flops}
+
+
+def test_split_of_the_made_up_profile_by_hand():
+    """Day 12's made-up step, every number known (µs). Matmul: the two
+    linears' 10+6+400 and 8+5+200, the addmm's 150, the LM head's 4+2+110;
+    model_other: model's own 300, the embedding 20+15, mul and silu 40, index
+    18, the second model region's own 45; attention 500+35+90+3+60+30 (its
+    products are attention's); sampling 80+12+7+21; prepare 60+4+3; schedule
+    120+5; process 200; the step's own 40 and its copy_ 9."""
+    events = day12.made_up_profile()
+    parts = time_by_part(events)
+    assert parts == {
+        "matmul": 416 + 213 + 150 + 116, "model_other": 300 + 35 + 40 + 18 + 45,
+        "attention": 718, "sampling": 120, "prepare_inputs": 67, "schedule": 125,
+        "process": 200, "engine_other": 49,
+    }
+    assert sum(parts.values()) == profiled_step_us(events) == 2612
+    assert grouped(parts) == {"model": 1333, "attention": 718, "sampling": 120,
+                              "prepare_inputs": 67, "bookkeeping": 374}
+
+
+def test_split_of_a_real_profile_adds_up_to_the_steps(tiny_model_dir):
+    """Decode steps of 3 sequences on the default (Numba) backend: every
+    part has time, the parts add up to the `step` regions' total, and the
+    labels are gone afterwards."""
+    llm = _engine(tiny_model_dir("llama"))
+    _add(llm, [12, 20, 7], max_tokens=8, prefix="r")
+    engine = llm.llm_engine
+    engine.step()  # the prefills
+    events = profile_steps(llm, 2)
+    parts = time_by_part(events)
+    assert all(parts[p] > 0 for p in roofline.PARTS), parts
+    assert math.isclose(sum(parts.values()), profiled_step_us(events), rel_tol=1e-6)
+    assert "forward" not in vars(engine.worker.model_runner.model)
+    roofline.drain(llm)
+
+
+@pytest.fixture
+def restore_threads():
+    import numba
+
+    before = torch.get_num_threads(), numba.get_num_threads()
+    yield
+    torch.set_num_threads(before[0])
+    numba.set_num_threads(before[1])
+
+
+def test_quick_run_end_to_end(tmp_path, capsys, restore_threads):
+    """`--quick` on the tiny model: the report's rows, with the counted work
+    of the steps it ran (64-token prompts; decodes at 65-68 tokens)."""
+    out = tmp_path / "roofline.json"
+    roofline.main(["--quick", "--model-size", "tiny", "--threads", "1", "--device", "cpu",
+                   "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert "% bookkeeping" in capsys.readouterr().out
+    rows = {r["step"]: r for r in result["rows"]}
+    assert list(rows) == ["decode b=1", "decode b=8", "prefill 2x64"]
+    assert result["config"]["attention_backend"] == "numba"
+    model = ModelShape(**result["config"]["model_shape"])
+    prefill = rows["prefill 2x64"]
+    assert prefill["work"] == step_work(model, StepShape((64, 64), (64, 64), 2, 2)).__dict__
+    decode = rows["decode b=8"]
+    assert (decode["tokens"], decode["sequences"]) == (8, 8)
+    assert 65 <= decode["context"] <= 68
+    for row in result["rows"]:
+        assert len(row["step_seconds"]) == 3
+        assert math.isclose(sum(row["shares"].values()), 1.0, rel_tol=1e-6)
+        assert row["fraction_of_peak"] > 0 and row["fraction_of_bandwidth"] > 0
+    limits = result["limits"]
+    assert limits["threads"] == 1 and limits["matmul_flops"] > 0

@@ -1,0 +1,110 @@
+"""Profiler labels for the classic engine: where one step's time goes.
+
+The engine has no profiler regions of its own (vLLM v0.6 has none either;
+its profiler runs show aten operators and Python frames). `labelled(llm)`
+wraps six hot functions of *one* engine's objects in
+`torch.profiler.record_function` regions, so that a profile says which
+phase every operator ran in:
+
+    schedule        Scheduler.schedule (queues, budgets, block tables)
+    prepare_inputs  ModelRunner.prepare_model_input (the batch's tensors)
+    model           the model's forward and compute_logits (the LM head)
+    attention       each layer's AttentionImpl.forward (K/V write + attention)
+    sampler         Sampler.forward
+    process         LLMEngine._process_model_outputs (append, stop, outputs)
+
+and `profile_steps(llm, n)` profiles the next `n` engine steps, each inside a
+`step` region. Regions nest (attention runs inside model): the *innermost*
+label around an event says what it is (`innermost_label`).
+
+The classes are never patched, only the attributes of this engine's
+objects, and only while the `with` block runs: other engines in the same
+process, and this one afterwards, run exactly as before.
+
+Used by Day 12's checker (tools/labs/checks/day12.py) and by the roofline
+benchmark (tools/bench/roofline.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from torch.profiler import ProfilerActivity, profile, record_function
+
+if TYPE_CHECKING:
+    from minivllm import LLM
+
+# Kineto, torch's profiler back end, prints two log lines to stderr each time a
+# profile starts and stops; level 6 is above all of its levels (read at first use).
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+# The profiler regions `labelled` and `profile_steps` add.
+LABELS = ("step", "schedule", "prepare_inputs", "model", "attention", "sampler", "process")
+# The matrix products: an event with one of these on its way up is matmul time.
+MATMUL_OPS = ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm")
+
+
+def _wrap(obj: Any, attr: str, label: str, undo: list[Callable[[], None]]) -> None:
+    """Replace `obj.attr` (on this object only) by a call inside a `label`
+    region; append to `undo` what puts the original back."""
+    inner = getattr(obj, attr)
+
+    @functools.wraps(inner)
+    def labelled_call(*args, **kwargs):
+        with record_function(label):
+            return inner(*args, **kwargs)
+
+    had_own = attr in vars(obj)
+    setattr(obj, attr, labelled_call)
+    undo.append(lambda: setattr(obj, attr, inner) if had_own else delattr(obj, attr))
+
+
+@contextlib.contextmanager
+def labelled(llm: LLM) -> Iterator[LLM]:
+    """Put profiler labels around the hot functions of this engine (its own
+    objects only; the classes are untouched), for as long as the block runs."""
+    engine = llm.llm_engine
+    runner = engine.worker.model_runner
+    undo: list[Callable[[], None]] = []
+    _wrap(engine.scheduler, "schedule", "schedule", undo)
+    _wrap(runner, "prepare_model_input", "prepare_inputs", undo)
+    _wrap(runner.model, "forward", "model", undo)
+    _wrap(runner.model, "compute_logits", "model", undo)
+    for module in runner.model.modules():
+        impl = getattr(module, "impl", None)
+        if impl is not None and hasattr(impl, "forward_decode"):
+            _wrap(impl, "forward", "attention", undo)
+    _wrap(runner.sampler, "forward", "sampler", undo)
+    _wrap(engine, "_process_model_outputs", "process", undo)
+    try:
+        yield llm
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+def profile_steps(llm: LLM, num_steps: int = 1) -> list:
+    """The profiler events of the engine's next `num_steps` steps, each inside a
+    `step` region, with the labels of `labelled`: a list of torch's
+    FunctionEvent (`.name`, `.self_cpu_time_total`, `.cpu_time_total` in µs,
+    `.cpu_parent`, `.cpu_children`)."""
+    engine = llm.llm_engine
+    with labelled(llm), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(num_steps):
+            with record_function("step"):
+                engine.step()
+    return list(prof.events())
+
+
+def innermost_label(event) -> str | None:
+    """The innermost of `LABELS` around `event` (itself included), or None."""
+    e = event
+    while e is not None:
+        if e.name in LABELS:
+            return e.name
+        e = e.cpu_parent
+    return None
