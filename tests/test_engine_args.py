@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,7 +47,7 @@ def test_every_option_is_a_flag_of_its_type():
         "--scheduler-cls", "tests.engine_spies.RecordingScheduler", "--no-disable-log-stats",
         "--tokenizer", "/tok", "--trust-remote-code", "--block-manager-cls", "a.B",
         "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-        "--no-enforce-eager", "--use-v1",
+        "--no-enforce-eager", "--use-v1", "--compilation-level", "3",
     ]
     args = EngineArgs.from_cli_args(parser().parse_args(argv))
     given = {a.lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a[:2] == "--"}
@@ -58,6 +61,7 @@ def test_every_option_is_a_flag_of_its_type():
         scheduling_policy="priority", scheduler_cls="tests.engine_spies.RecordingScheduler",
         block_manager_cls="a.B", disable_log_stats=False, tensor_parallel_size=2,
         distributed_executor_backend="ray", enforce_eager=False, use_v1=True,
+        compilation_level=3,
     )
 
 
@@ -163,3 +167,31 @@ def test_a_variable_set_but_empty_is_refused_not_taken_as_unset(monkeypatch):
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "")
     with pytest.raises(ValueError, match="MINIVLLM_ATTENTION_BACKEND"):
         get_attn_backend(None, "cpu", torch.float32, 16, 16)
+
+
+WAIT_POLICY_WHEN_TORCH_LOADS = """
+import os, sys
+seen = []
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            seen.append(os.environ.get("OMP_WAIT_POLICY"))
+sys.meta_path.insert(0, Spy())
+import minivllm
+print(seen[0], os.environ["OMP_WAIT_POLICY"])
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_are_passive_before_torch_loads(given, expected):
+    """envs.py sets OMP_WAIT_POLICY before torch (and its libgomp, which reads
+    it once at load) is imported by `import minivllm`; a user's value wins."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    run = subprocess.run(
+        [sys.executable, "-c", WAIT_POLICY_WHEN_TORCH_LOADS],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [expected, expected]

@@ -20,6 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from minivllm import envs
 from minivllm.attention.selector import check_attention_backend
+from minivllm.compilation.levels import CompilationLevel
 from minivllm.utils import (
     WrongTypeError,
     check_bool,
@@ -114,6 +115,12 @@ class ModelConfig:
     a GPU: CPUs are slow and inexact in half precision, GPUs are built for it.
     `dry_run` loads no weights: the engine runs its real scheduler on
     pseudo-random tokens (worker/dry_run_worker.py), for scheduling studies.
+    `compilation_level` (0-3, `CompilationLevel`) selects `torch.compile` of
+    the model forward (compilation/); vLLM keeps it in its CompilationConfig,
+    here it rides with the model because the model runner receives only this
+    config, the cache's and the device's. `enforce_eager` is vLLM's switch
+    for CUDA graphs, which minivllm does not capture yet: both values run
+    without graphs.
     """
 
     model: str
@@ -128,6 +135,9 @@ class ModelConfig:
     # ($MINIVLLM_ATTENTION_BACKEND, else "auto"). The model runner resolves it
     # once the block size is known (attention/selector.py::get_attn_backend).
     attention_backend: str | type | None = None
+    compilation_level: int = CompilationLevel.NO_COMPILATION
+    # True by default, unlike vLLM: without CUDA graphs, eager is what runs.
+    enforce_eager: bool = True
     hf_config: PretrainedConfig = field(init=False, repr=False)
     local_path: str = field(init=False)
 
@@ -142,6 +152,11 @@ class ModelConfig:
         check_bool("trust_remote_code", self.trust_remote_code)
         check_bool("dry_run", self.dry_run)
         check_attention_backend(self.attention_backend)
+        self.compilation_level = check_int(
+            "compilation_level", self.compilation_level, low=0, high=3,
+            allowed=f"one of {CompilationLevel.allowed()}",
+        )
+        check_bool("enforce_eager", self.enforce_eager)
         self.device = DeviceConfig(self.device).device  # "auto" resolved as the engine does
         self.seed = check_seed(self.seed)
         if self.max_model_len is not None:

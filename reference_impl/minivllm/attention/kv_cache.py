@@ -10,7 +10,9 @@ is one token position in the pool: slot = block_number * block_size + offset,
 so the K of the token in slot s is kv_cache[0, s // block_size, s % block_size].
 A sequence's block table lists its physical block numbers in logical order;
 its token i lives in slot block_table[i // block_size] * block_size
-+ i % block_size. Slot -1 means "padding, write nothing".
++ i % block_size. Slot -1 (`PAD_SLOT_ID`) means "padding, write nothing":
+the dummy rows that pad a decode batch up to a captured batch size
+(worker/model_runner.py::FlatBatch.padded_to) have no place in the cache.
 
 Swapping and copy-on-write move whole blocks: kv_cache[:, block_number].
 
@@ -29,6 +31,11 @@ from __future__ import annotations
 
 import torch
 
+# The slot of a token whose K/V go nowhere (vLLM's PAD_SLOT_ID, in
+# vllm/attention/backends/utils.py): every cache write skips negative slots,
+# `write_to_kv_cache` below and the CUDA `reshape_and_cache` alike.
+PAD_SLOT_ID = -1
+
 
 def get_kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
@@ -40,9 +47,10 @@ def write_to_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-    slot_mapping: torch.Tensor,  # [num_tokens], int64; -1 = padding
+    slot_mapping: torch.Tensor,  # [num_tokens], int64; PAD_SLOT_ID = padding
 ) -> None:
-    """Store this step's new K/V at their slots (vLLM's reshape_and_cache)."""
+    """Store this step's new K/V at their slots (vLLM's reshape_and_cache);
+    a token at a negative slot (PAD_SLOT_ID) is not stored."""
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
     valid = slot_mapping >= 0

@@ -136,8 +136,19 @@ class EngineArgs:
         "run vLLM's V1 engine (minivllm/v1/) instead of the classic one (default: "
         "$MINIVLLM_USE_V1, else off)",
     )
-    # Accepted so vLLM code runs unchanged; minivllm always runs eagerly.
-    enforce_eager: bool = _option(True, "accepted for vLLM's sake; minivllm always runs eagerly")
+    # Compilation (compilation/): vLLM's CompilationLevel numbers.
+    compilation_level: int = _option(
+        ModelConfig.compilation_level,
+        "torch.compile of the model forward: 0 no compilation, 1 TorchDynamo as is, 2 "
+        "TorchDynamo once (dynamic token count), 3 Inductor, attention left eager "
+        "(vLLM's PIECEWISE); classic engine only",
+        choices=[0, 1, 2, 3],
+    )
+    enforce_eager: bool = _option(
+        ModelConfig.enforce_eager,
+        "vLLM's switch for CUDA graphs; minivllm captures none yet, so both values run "
+        "without them (compilation is compilation_level's)",
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -193,8 +204,6 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The configs; each checks its own options (types, ranges) when made,
         and the options that have no config are checked here."""
-        # Both values run the same (eagerly): vLLM code that sets it runs unchanged.
-        check_bool("enforce_eager", self.enforce_eager)
         check_bool("disable_log_stats", self.disable_log_stats)
         use_v1 = self.resolve_use_v1()
         # V1's defaults (as vLLM's): prefix caching and chunked prefill on,
@@ -223,6 +232,8 @@ class EngineArgs:
             device=device_config.device,
             dry_run=self.dry_run,
             attention_backend=self.attention_backend,
+            compilation_level=self.compilation_level,
+            enforce_eager=self.enforce_eager,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -246,9 +257,30 @@ class EngineArgs:
             self.tensor_parallel_size, self.distributed_executor_backend
         )
         model_config.verify_with_parallel_config(parallel_config)
+        self._check_compilation(model_config, parallel_config, use_v1)
         return EngineConfig(
             model_config, cache_config, scheduler_config, device_config, parallel_config, use_v1
         )
+
+    @staticmethod
+    def _check_compilation(
+        model_config: ModelConfig, parallel_config: ParallelConfig, use_v1: bool
+    ) -> None:
+        """Refuse, before any model loads, a compilation the engine would not do."""
+        level = model_config.compilation_level
+        if level == 0:
+            return
+        if use_v1:
+            raise ValueError(
+                f"compilation_level={level} is implemented by the classic engine only; "
+                "minivllm's V1 engine runs eagerly (use compilation_level=0, or use_v1=False)"
+            )
+        if parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"compilation_level={level} with tensor_parallel_size="
+                f"{parallel_config.tensor_parallel_size}: the compiled path runs on one "
+                "worker only (use compilation_level=0, or tensor_parallel_size=1)"
+            )
 
 
 @dataclass

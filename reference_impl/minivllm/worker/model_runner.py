@@ -7,6 +7,16 @@ token when decoding), prefills first. For each token we build its
 its `seq_lens`, `context_lens` and block table. Logits are computed only for
 the rows `SamplingMetadata.prepare` selects: the last token of each sequence
 that samples, and the prompt positions of requests with prompt_logprobs.
+
+With `compilation_level` > 0 the model forward runs through `torch.compile`
+(compilation/wrapper.py::CompiledModel); each step then sets the forward
+context its attention op reads.
+
+CUDA graphs (vLLM's `CUDAGraphRunner`, `capture_model`) are not captured
+yet. Their input side is here: the captured batch sizes
+(`_BATCH_SIZES_TO_CAPTURE`, `_get_graph_batch_size`) and the padding of a
+decode batch up to one of them (`prepare_model_input(...,
+graph_batch_size=...)`, `FlatBatch.padded_to`), checked on a CPU.
 """
 
 from __future__ import annotations
@@ -18,12 +28,36 @@ import torch
 
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.backends.abstract import AttentionBackend
+from minivllm.attention.kv_cache import PAD_SLOT_ID
+from minivllm.attention.layer import attention_layers
 from minivllm.attention.selector import get_attn_backend
+from minivllm.compilation import CompilationLevel, set_forward_context
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
 from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
 from minivllm.model_executor.model_loader import get_model
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sequence import SequenceGroupMetadata
+
+# vLLM v0.6.3's decode batch sizes that CUDA graphs are captured for: 1, 2, 4,
+# then every multiple of 8 up to 256 (no more than max_num_seqs, padded).
+_BATCH_SIZE_ALIGNMENT = 8
+_BATCH_SIZES_TO_CAPTURE = [1, 2, 4] + [_BATCH_SIZE_ALIGNMENT * i for i in range(1, 33)]
+
+
+def _get_graph_batch_size(batch_size: int) -> int:
+    """The captured size a decode batch of `batch_size` sequences is padded
+    up to (vLLM's function): 1 and 2 as they are, 3 and 4 to 4, then the
+    next multiple of 8."""
+    if batch_size <= 2:
+        return batch_size
+    if batch_size <= 4:
+        return 4
+    return -(-batch_size // _BATCH_SIZE_ALIGNMENT) * _BATCH_SIZE_ALIGNMENT
+
+
+def _get_max_graph_batch_size(max_num_seqs: int) -> int:
+    """The largest size worth capturing: max_num_seqs padded, at most 256."""
+    return min(_get_graph_batch_size(max_num_seqs), _BATCH_SIZES_TO_CAPTURE[-1])
 
 
 @dataclass
@@ -118,6 +152,34 @@ class FlatBatch:
                     batch.query_start_loc.append(len(batch.input_ids))
         return batch
 
+    def padded_to(self, graph_batch_size: int) -> FlatBatch:
+        """This decode batch with dummy sequences appended up to
+        `graph_batch_size` rows, as vLLM pads a batch for a captured graph:
+        token 0 at position 0, slot PAD_SLOT_ID (its K/V are written
+        nowhere), sequence length 1 over an empty block table (padded with
+        block 0 like any table: attention reads one slot of block 0 and the
+        row's output is thrown away). The real rows come first, unchanged."""
+        num_seqs = len(self.seq_ids)
+        if self.num_prefills:
+            raise ValueError("only a decode batch is padded (graphs are captured for decodes)")
+        if graph_batch_size < num_seqs:
+            raise ValueError(
+                f"cannot pad a batch of {num_seqs} sequences down to {graph_batch_size}"
+            )
+        pad = graph_batch_size - num_seqs
+        return FlatBatch(
+            input_ids=self.input_ids + [0] * pad,
+            positions=self.positions + [0] * pad,
+            slot_mapping=self.slot_mapping + [PAD_SLOT_ID] * pad,
+            seq_ids=self.seq_ids + [-1] * pad,
+            seq_lens=self.seq_lens + [1] * pad,
+            context_lens=self.context_lens + [0] * pad,
+            block_tables=self.block_tables + [[] for _ in range(pad)],
+            query_start_loc=list(self.query_start_loc),
+            num_prefills=0,
+            num_prefill_tokens=0,
+        )
+
     @staticmethod
     def _check_group(meta: SequenceGroupMetadata, num_decodes: int) -> None:
         """The layout attention relies on: prefills before decodes, and one
@@ -154,37 +216,56 @@ class ModelRunner:
             cache_config.block_size,
         )
         self.model: torch.nn.Module | None = None
+        # What runs the forward: the model itself, or its compiled form.
+        self.model_forward: Any = None
+        self.attn_layers: list = []  # the model's Attention layers, numbered
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device, self.attn_backend)
+        self.attn_layers = attention_layers(self.model)
+        self.model_forward = self.model
+        level = self.model_config.compilation_level
+        if level > CompilationLevel.NO_COMPILATION:
+            # Imported here: it loads TorchDynamo, which an eager engine never needs.
+            from minivllm.compilation.wrapper import CompiledModel
+
+            self.model_forward = CompiledModel(self.model, level)
 
     def prepare_model_input(
-        self, seq_group_metadata_list: list[SequenceGroupMetadata]
+        self,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+        graph_batch_size: int | None = None,
     ) -> ModelInput:
+        """The step's tensors. With `graph_batch_size`, a decode batch is
+        padded with dummy rows up to that many (`FlatBatch.padded_to`), as a
+        captured graph needs; the sampler still reads only the real rows, and
+        `ModelInput.batch` is the real batch."""
         batch = FlatBatch.build(seq_group_metadata_list, self.block_size)
-        max_blocks = max(len(t) for t in batch.block_tables)
-        padded_tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
+        rows = batch if graph_batch_size is None else batch.padded_to(graph_batch_size)
+        max_blocks = max(len(t) for t in rows.block_tables)
+        padded_tables = [t + [0] * (max_blocks - len(t)) for t in rows.block_tables]
 
         def as_tensor(values, dtype=torch.long) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         attn_metadata = self.attn_backend.get_metadata_cls()(
-            num_prefills=batch.num_prefills,
-            num_prefill_tokens=batch.num_prefill_tokens,
-            num_decode_tokens=len(batch.input_ids) - batch.num_prefill_tokens,
-            slot_mapping=as_tensor(batch.slot_mapping),
-            seq_lens=batch.seq_lens,
-            context_lens=batch.context_lens,
-            query_start_loc=batch.query_start_loc,
+            num_prefills=rows.num_prefills,
+            num_prefill_tokens=rows.num_prefill_tokens,
+            num_decode_tokens=len(rows.input_ids) - rows.num_prefill_tokens,
+            slot_mapping=as_tensor(rows.slot_mapping),
+            seq_lens=rows.seq_lens,
+            context_lens=rows.context_lens,
+            query_start_loc=rows.query_start_loc,
             block_tables=as_tensor(padded_tables),
-            seq_lens_tensor=as_tensor(batch.seq_lens),
+            seq_lens_tensor=as_tensor(rows.seq_lens),
         )
+        # The real rows only: the padding rows come after them and are never selected.
         sampling_metadata = SamplingMetadata.prepare(
             seq_group_metadata_list, batch.seq_lens, batch.context_lens, self.device
         )
         return ModelInput(
-            input_ids=as_tensor(batch.input_ids),
-            positions=as_tensor(batch.positions),
+            input_ids=as_tensor(rows.input_ids),
+            positions=as_tensor(rows.positions),
             attn_metadata=attn_metadata,
             selected_token_indices=sampling_metadata.selected_token_indices,
             batch=batch,
@@ -197,12 +278,14 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Run the model and sample; on the ranks other than the driver, run
         this rank's shard of the model and return None (the driver samples)."""
-        hidden_states = self.model(
-            model_input.input_ids,
-            model_input.positions,
-            kv_caches,
-            model_input.attn_metadata,
-        )  # [num_tokens, hidden_size]
+        # The context is read only by a compiled model's attention op.
+        with set_forward_context(model_input.attn_metadata, kv_caches, self.attn_layers):
+            hidden_states = self.model_forward(
+                model_input.input_ids,
+                model_input.positions,
+                kv_caches,
+                model_input.attn_metadata,
+            )  # [num_tokens, hidden_size]
         # Only the rows the sampler reads need logits.
         hidden_states = hidden_states[model_input.selected_token_indices]
         # [num_selected_rows, vocab_size] on the driver (gathered), None elsewhere

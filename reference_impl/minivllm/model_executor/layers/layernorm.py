@@ -8,14 +8,32 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 like the
-    Hugging Face reference so that half-precision runs round the same way."""
+    Hugging Face reference so that half-precision runs round the same way.
+
+    Given `residual`, as vLLM's RMSNorm: first `x + residual`, which becomes
+    the new residual, then the norm of it; returns (normed, new residual).
+    A decoder layer's residual add and the next norm are one call this way,
+    which vLLM's CUDA kernel (`fused_add_rms_norm`) does in place in one pass
+    over the hidden states. Here the add is done in place into `x`, the
+    sublayer's output, which nothing else reads.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            residual = x.add_(residual)
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         variance = x.pow(2).mean(dim=-1, keepdim=True)

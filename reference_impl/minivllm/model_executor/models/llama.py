@@ -105,15 +105,25 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, kv_cache, attn_metadata) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(
-            positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size]: the last sublayer's output
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None in the first layer
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As vLLM's layers: the residual stream travels beside the hidden
+        states, and each norm first adds the sublayer's output to it
+        (RMSNorm with `residual`); the last add is in the model's final norm."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -127,9 +137,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(
+                positions, hidden_states, kv_cache, attn_metadata, residual
+            )
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
