@@ -130,7 +130,15 @@ def test_greedy_completion_and_chat_equal_offline(client, llm):
     assert chat.usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
-def test_streamed_completion_follows_the_wire_format(server, llm):
+def chunks_for_tokens(engine: str, num_chunks: int, num_tokens: int) -> bool:
+    """The classic engine streams one chunk per token. V1's collector keeps
+    only the newest output for a reader that fell behind (RequestOutputCollector,
+    as vLLM's), so on a loaded machine one chunk can carry several tokens:
+    fewer chunks, never lost or repeated text."""
+    return num_chunks == num_tokens if engine == "classic" else 1 <= num_chunks <= num_tokens
+
+
+def test_streamed_completion_follows_the_wire_format(server, llm, engine):
     body = dict(
         model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True},
@@ -141,13 +149,14 @@ def test_streamed_completion_follows_the_wire_format(server, llm):
     assert events[-1] == "[DONE]"
     *token_chunks, usage_chunk = [json.loads(e) for e in events[:-1]]
     expected = offline(llm, PROMPTS[0], max_tokens=12, temperature=0).outputs[0]
-    assert len(token_chunks) == 12  # one chunk per token
+    assert chunks_for_tokens(engine, len(token_chunks), 12)
     assert "".join(c["choices"][0]["text"] for c in token_chunks) == expected.text
-    assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * 11 + ["length"]
+    finishes = [c["choices"][0]["finish_reason"] for c in token_chunks]
+    assert finishes == [None] * (len(token_chunks) - 1) + ["length"]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
 
 
-def test_streamed_chat_sends_the_role_then_one_delta_per_token(server, llm):
+def test_streamed_chat_sends_the_role_then_one_delta_per_token(server, llm, engine):
     body = dict(
         model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=10,
         temperature=0, stream=True,
@@ -157,7 +166,7 @@ def test_streamed_chat_sends_the_role_then_one_delta_per_token(server, llm):
     role, *content = [json.loads(e) for e in events[:-1]]
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     expected = offline(llm, PROMPTS[1], max_tokens=10, temperature=0).outputs[0]
-    assert len(content) == 10
+    assert chunks_for_tokens(engine, len(content), 10)
     assert "".join(c["choices"][0]["delta"]["content"] for c in content) == expected.text
     assert content[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -320,10 +329,12 @@ def test_a_client_that_disconnects_is_aborted(server, client, llm):
         model=MODEL, prompt=PROMPTS[1], max_tokens=60, temperature=0, stream=True
     )
     with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as r:
-        received = [line for line, _ in zip(r.iter_lines(), range(6), strict=False) if line]
-        assert len(received) == 3  # three chunks, then hang up
-        # The gauge is set from a step's stats after its outputs are sent, so
-        # the chunks can arrive first: wait for it (the request runs on).
+        # The iterator is kept: a discarded one would close the connection here.
+        lines = r.iter_lines()
+        received = [line for line, _ in zip(lines, range(6), strict=False) if line]
+        assert len(received) == 3  # three chunks; the client hangs up when the block ends
+        # Still connected and paced, the request runs on. The gauge is set from a
+        # step's stats after its outputs are sent: wait for it.
         deadline = time.monotonic() + 5
         while (server.metrics()["vllm:gpu_cache_usage_perc"] == 0
                and time.monotonic() < deadline):
