@@ -45,13 +45,15 @@ test: setup
 lint: setup
 	$(PY) -m ruff check .
 
-# The CPU benchmarks (tools/bench/), a few minutes in all; each prints its
-# table and writes tools/bench/results/<name>.json and .png. On a busy
+# The CPU benchmarks (tools/bench/), about 15 minutes in all; each prints its
+# table and writes tools/bench/results/<name>.json (and most a .png). On a busy
 # machine: make bench BENCH_FLAGS="--threads 1" (the model's CPU threads).
 BENCH_FLAGS ?=
 bench: setup
 	$(PY) -m tools.bench.kv_efficiency
 	$(PY) -m tools.bench.step_cost
+	$(PY) -m tools.bench.attention --json tools/bench/results/attention.json
+	$(PY) -m tools.bench.roofline $(BENCH_FLAGS)
 	$(PY) -m tools.bench.latency $(BENCH_FLAGS)
 	$(PY) -m tools.bench.throughput $(BENCH_FLAGS)
 

@@ -8,15 +8,29 @@ import torch
 
 from tools.bench.common import (
     BenchRequest,
+    Repeated,
     WorkloadSpec,
     percentile,
     poisson_arrival_times,
     sample_requests,
 )
 from tools.bench.kv_efficiency import StepUsage, contiguous_usage, paged_usage
-from tools.bench.latency import run_latency
+from tools.bench.latency import (
+    TokenTimes,
+    hf_decode,
+    run_latency,
+    run_single_request,
+    time_per_output_token,
+)
 from tools.bench.step_cost import linear_fit, measure_step_cost, measure_step_cost_v1
-from tools.bench.throughput import agreement, make_static_batch, run_throughput
+from tools.bench.throughput import (
+    RunResult,
+    add_repetition,
+    agreement,
+    make_static_batch,
+    run_key_runs,
+    run_throughput,
+)
 from tools.bench.tp import run_tp
 
 VOCAB = 384  # the tiny checkpoints' tokenizer
@@ -157,17 +171,29 @@ def test_throughput_runs_every_baseline_on_the_same_work(tiny_model_dir):
         seed=1,
     )
     result = run_throughput(
-        tiny_model_dir("llama"), spec, max_num_seqs=4, budget_seqs=2, single_requests=2
+        tiny_model_dir("llama"),
+        spec,
+        max_num_seqs=4,
+        budget_seqs=2,
+        single_requests=2,
+        repeats=2,
+        hf_cb_batch_sizes=[2],
+        extra_runs=True,
     )
     requests = sample_requests(spec, VOCAB)
-    wanted = sum(r.output_len for r in requests)
     runs = {r.name: r for r in result.runs}
-    assert [r.output_tokens for r in result.runs] == [wanted] * 4 + [
-        sum(r.output_len for r in requests[:2])
-    ] + [wanted] * 2
+    budget = f"KV 2x{spec.max_model_len}"
+    assert set(runs) == {
+        "engine, batch 4", "HF generate_batch, batch 4", "HF generate_batch, batch 2",
+        "HF static, batch 4", "HF one at a time",
+        f"engine, {budget}", "HF static, batch 2", "V1, batch 4", f"V1, {budget}",
+    }
+    assert len(result.runs) == len(runs)
     for run in result.runs:
         lens = [r.output_len for r in requests[: run.num_requests]]
-        assert [len(o) for o in run.outputs] == lens
+        assert [len(o) for o in run.outputs] == lens  # each request its own length
+        assert run.output_tokens == sum(lens)
+    assert runs["HF one at a time"].output_tokens == sum(r.output_len for r in requests[:2])
     # Static batches of 4 then 1 request: every row is padded to its batch's
     # longest prompt, then runs until its batch's longest output.
     first, last = requests[:4], requests[4]
@@ -176,21 +202,98 @@ def test_throughput_runs_every_baseline_on_the_same_work(tiny_model_dir):
         longest_prompt + max(r.output_len for r in first) - 1
     ) + (len(last.prompt_token_ids) + last.output_len - 1)
     # The engine runs each prompt once and each output token but the last
-    # (the budgeted run may recompute preempted requests: at least as many).
+    # (the budgeted run may recompute preempted requests: at least as many);
+    # so does HF's continuous batching, counted at its decoder's input.
     exact = sum(len(r.prompt_token_ids) + r.output_len - 1 for r in requests)
     assert runs["engine, batch 4"].computed_tokens == exact
-    assert runs[f"engine, KV 2x{spec.max_model_len}"].computed_tokens >= exact
+    assert runs["HF generate_batch, batch 4"].computed_tokens == exact
+    assert runs["HF generate_batch, batch 2"].computed_tokens == exact
+    assert runs[f"engine, {budget}"].computed_tokens >= exact
     # V1 the same: its counts come from its own SchedulerStats.
     assert runs["V1, batch 4"].computed_tokens == exact
-    assert runs[f"V1, KV 2x{spec.max_model_len}"].computed_tokens >= exact
+    assert runs[f"V1, {budget}"].computed_tokens >= exact
+    # Greedy on the same weights: the engine, V1 and HF's continuous batching
+    # (each request's tokens back in request order) agree token for token.
     assert runs["V1, batch 4"].outputs == runs["engine, batch 4"].outputs
+    assert runs["HF generate_batch, batch 4"].outputs == runs["engine, batch 4"].outputs
+    assert runs["HF generate_batch, batch 2"].outputs == runs["engine, batch 4"].outputs
+    assert result.agreement["engine_vs_hf_generate_batch_4"]["identical"] == 5
+    assert result.agreement["engine_vs_hf_one_at_a_time"]["compared"] == 2
     assert runs["HF static, batch 4"].kv_cache_tokens == 4 * spec.max_model_len
-    assert runs[f"engine, KV 2x{spec.max_model_len}"].kv_cache_tokens == 2 * spec.max_model_len
+    assert runs["HF generate_batch, batch 2"].kv_cache_tokens == 4 * spec.max_model_len
+    assert runs[f"engine, {budget}"].kv_cache_tokens == 2 * spec.max_model_len
+    # The key runs twice (the best batch size's too), the rest once.
+    best = f"HF generate_batch, batch {result.hf_cb_best_batch_size}"
+    repeated = {"engine, batch 4", "HF generate_batch, batch 4", best, "HF static, batch 4"}
+    assert {name: len(r.seconds) for name, r in runs.items()} == {
+        name: 2 if name in repeated else 1 for name in runs
+    }
+    assert all(r.repeats_identical for r in result.runs)
+    assert set(result.hf_cb_sweep) == {2, 4}
+    assert result.hf_cb_best_batch_size == max(result.hf_cb_sweep, key=result.hf_cb_sweep.get)
     assert set(result.ratios) == {
-        "equal_batch", "equal_kv_memory", "vs_one_at_a_time",
+        "vs_generate_batch_matched", "vs_generate_batch_best", "equal_batch",
+        "vs_one_at_a_time", "equal_kv_memory",
         "v1_over_classic_equal_batch", "v1_over_classic_equal_kv_memory",
     }
-    assert result.agreement["engine_vs_hf_one_at_a_time"]["compared"] == 2
+    ours, matched = runs["engine, batch 4"], runs["HF generate_batch, batch 4"]
+    assert result.ratios["vs_generate_batch_matched"] == pytest.approx(
+        ours.tokens_per_s / matched.tokens_per_s
+    )
+    # Repetition by repetition: run i of the engine over run i of the peer;
+    # the same tokens, so the ratio of rates is the inverse ratio of times.
+    assert result.paired_ratios["vs_generate_batch_matched"].values == pytest.approx(
+        [hf_s / engine_s for engine_s, hf_s in zip(ours.seconds, matched.seconds, strict=True)]
+    )
+
+
+def _fake_run(name: str, batch_size: int, seconds: float) -> RunResult:
+    """A run of 100 output tokens in `seconds`."""
+    return RunResult(name, batch_size, 0, 1, 100, [seconds], 0, outputs=[[7]])
+
+
+def test_key_runs_interleave_and_repeat_the_best_batch():
+    """Repetition 1: the engine, the sweep (matched size included), static;
+    then the engine, matched, best and static again, in that order. Seconds
+    are handed out from a script: the sweep's batch 16 is fastest (2 s)."""
+    calls: list[str] = []
+    script = {"engine": [10.0, 8.0, 12.0], "static": [5.0, 5.0, 6.0],
+              "cb 8": [4.0], "cb 16": [2.0, 3.0, 2.5], "cb 64": [4.0, 5.0, 4.5]}
+
+    def fake(kind: str, batch: int = 0) -> RunResult:
+        calls.append(kind)
+        return _fake_run(kind, batch, script[kind].pop(0))
+
+    key = run_key_runs(
+        lambda: fake("engine"), lambda b: fake(f"cb {b}", b), lambda: fake("static"),
+        matched_batch=64, sweep_sizes=[16, 8], repeats=3,
+    )
+    assert calls == ["engine", "cb 8", "cb 16", "cb 64", "static"] + 2 * [
+        "engine", "cb 64", "cb 16", "static"
+    ]
+    assert (key.hf_cb_best.batch_size, key.hf_cb_matched.batch_size) == (16, 64)
+    assert key.engine.seconds == [10.0, 8.0, 12.0]
+    assert key.hf_cb_best.seconds == [2.0, 3.0, 2.5]
+    assert key.sweep[8].seconds == [4.0]
+    # Median of 100 / [10, 8, 12] tokens/s = 10; spread (12.5 - 8.33) / 10.
+    assert key.engine.tokens_per_s == pytest.approx(10.0)
+    assert key.engine.rates.spread == pytest.approx((100 / 8 - 100 / 12) / 10)
+    assert key.engine.median_seconds == 10.0
+
+
+def test_repeated_median_and_spread_by_hand():
+    r = Repeated((200.0, 180.0, 250.0, 220.0))
+    assert r.median == 210.0  # between the middle two
+    assert r.spread == pytest.approx((250 - 180) / 210)
+    assert r.summary()["values"] == [200.0, 180.0, 250.0, 220.0]
+    assert Repeated((3.0,)).spread == 0.0
+    run = _fake_run("x", 1, 2.0)
+    add_repetition(run, _fake_run("x", 1, 4.0))
+    assert run.seconds == [2.0, 4.0] and run.repeats_identical
+    add_repetition(run, RunResult("x", 1, 0, 1, 100, [1.0], 0, outputs=[[8]]))
+    assert not run.repeats_identical
+    with pytest.raises(ValueError):
+        add_repetition(run, _fake_run("y", 1, 1.0))
 
 
 def test_latency_measures_every_request(tiny_model_dir):
@@ -213,4 +316,43 @@ def test_latency_measures_every_request(tiny_model_dir):
         assert [r.arrival for r in run.requests] == poisson_arrival_times(4, 50.0, 2)
         assert all(r.ttft > 0 and r.tpot > 0 for r in run.requests)
         assert set(run.summary()) >= {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"}
+    torch.manual_seed(0)  # leave the global RNG as other tests expect it
+
+
+def test_tpot_is_the_mean_gap_after_the_first_token():
+    """vLLM's TPOT: 5 tokens at t = 1.0 (after the prefill), 1.5, 2.0, 2.5,
+    3.0 s: 4 gaps over 2 s, 0.5 s each; the prefill is not in it."""
+    assert time_per_output_token(1.0, 3.0, 5) == 0.5
+    assert time_per_output_token(1.0, 1.0, 1) is None
+    streamer = TokenTimes()
+    streamer.put(torch.tensor([[5, 6, 7]]))  # the prompt: no time recorded
+    for token in (9, 4):
+        streamer.put(torch.tensor([token]))
+    streamer.end()
+    assert streamer.tokens == [9, 4] and len(streamer.times) == 2
+
+
+def test_single_request_tpot_on_both_peers(tiny_model_dir, hf_model):
+    """One 8-token prompt, 6 outputs, 2 runs each: every output token is
+    timed once (HF's streamed tokens are exactly `generate`'s), the TPOTs
+    are positive and the tokens agree with HF's."""
+    single = run_single_request(tiny_model_dir("llama"), prompt_len=8, output_len=6, repeats=2)
+    assert len(single.engine_tpot.values) == len(single.hf_tpot.values) == 2
+    assert min(single.engine_tpot.values + single.hf_tpot.values) > 0
+    assert single.agreement["compared"] == single.agreement["identical"] == 2
+    hf = hf_model("llama")
+    assert single.weight_bytes == 4 * sum(p.numel() for p in hf.parameters())
+    assert single.weight_floor == single.weight_bytes / single.read_bandwidth
+    request = sample_requests(WorkloadSpec(1, 8, 8, 6, 6, 0), VOCAB)[0]
+    decoded = hf_decode(hf, request)
+    ids = torch.tensor([request.prompt_token_ids])
+    with torch.inference_mode():
+        plain = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=6, min_new_tokens=6, eos_token_id=None,
+                            pad_token_id=0)
+    assert decoded.tokens == plain[0, 8:].tolist()
+    summary = single.summary()
+    assert summary["hf_over_engine"] == pytest.approx(
+        summary["hf_tpot_ms"]["median"] / summary["engine_tpot_ms"]["median"]
+    )
     torch.manual_seed(0)  # leave the global RNG as other tests expect it

@@ -243,3 +243,32 @@ _NUMBER_LIST = re.compile(r"\[\s+((?:-?[\d.eE+-]+|null)(?:,\s+(?:-?[\d.eE+-]+|nu
 def plot_path(name: str, json_path: str | None) -> Path:
     """The PNG beside the JSON result."""
     return (Path(json_path) if json_path else RESULTS_DIR / f"{name}.json").with_suffix(".png")
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """One figure measured several times in one process, interleaved with the
+    peers it is compared with (engine, HF, engine, HF, ...), so that a slow
+    spell of a shared machine falls on both: the median is the figure to
+    report, the spread says how far to trust it."""
+
+    values: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return percentile(self.values, 50)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: 0 for a single value, 0.2 when the runs
+        range over a fifth of the median."""
+        return (max(self.values) - min(self.values)) / self.median
+
+    def summary(self) -> dict:
+        return {
+            "median": self.median,
+            "min": min(self.values),
+            "max": max(self.values),
+            "spread": self.spread,
+            "values": list(self.values),
+        }
