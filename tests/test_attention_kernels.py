@@ -18,12 +18,17 @@ import subprocess
 import sys
 import textwrap
 
+import numba
 import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm import _custom_ops as ops
-from minivllm.attention.backends.numba_paged import NumbaPagedAttention
+from minivllm.attention.backends.numba_paged import (
+    MIN_ROWS_PER_THREAD,
+    NumbaPagedAttention,
+    kernel_threads,
+)
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.attention.layer import Attention
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
@@ -190,6 +195,33 @@ def test_the_numba_pool_leaves_torch_threads_as_they_were():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["1"]
+
+
+def test_kernel_threads_by_hand():
+    """One thread per MIN_ROWS_PER_THREAD K/V rows, at least one, at most
+    torch's count (and Numba's pool)."""
+    n = MIN_ROWS_PER_THREAD
+    assert kernel_threads(0, 2) == kernel_threads(n - 1, 2) == 1
+    assert kernel_threads(2 * n, 2) == 2
+    assert kernel_threads(100 * n, 2) == 2 and kernel_threads(100 * n, 1) == 1
+    assert kernel_threads(100 * n, 10**6) == numba.config.NUMBA_NUM_THREADS
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
+def test_the_numba_kernel_gives_the_same_bits_on_one_thread_and_two():
+    """The thread count changes with the batch (kernel_threads); a
+    sequence's output must not."""
+    case = make_decode_case([1, 17, 64, 200, 33, 9], 8, 2, 32, 16, seed=3)
+    outs = []
+    for threads in (1, 2):
+        numba.set_num_threads(threads)
+        out = torch.empty_like(case.query)
+        paged_attention_decode(
+            out.numpy(), case.query.numpy(), case.kv_cache[0].numpy(),
+            case.kv_cache[1].numpy(), case.block_tables.numpy(), case.seq_lens.numpy(), 0.17,
+        )
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_engine_numba_backend_matches_torch(tiny_model_dir):

@@ -45,7 +45,10 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 # The profiler regions `labelled` and `profile_steps` add.
 LABELS = ("step", "schedule", "prepare_inputs", "model", "attention", "sampler", "process")
 # The matrix products: an event with one of these on its way up is matmul time.
-MATMUL_OPS = ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm")
+MATMUL_OPS = (
+    "aten::linear", "aten::matmul", "aten::mm", "aten::addmm",
+    "mkldnn::_linear_pointwise",  # a packed CPU weight (model_executor/layers/utils.py)
+)
 
 
 def _wrap(obj: Any, attr: str, label: str, undo: list[Callable[[], None]]) -> None:

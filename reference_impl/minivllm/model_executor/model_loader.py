@@ -1,4 +1,5 @@
-"""`get_model`: build our module for a checkpoint and load its weights."""
+"""`get_model`: build our module for a checkpoint, load its weights, then
+prepare them for the device (vLLM's `process_weights_after_loading`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from torch import nn
 
 from minivllm.attention.backends.abstract import AttentionBackend
 from minivllm.attention.selector import set_attn_backend
+from minivllm.compilation import CompilationLevel
 from minivllm.config import ModelConfig
+from minivllm.model_executor.layers.linear import LinearBase
+from minivllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from minivllm.model_executor.models import ModelRegistry
 from minivllm.model_executor.weight_utils import safetensors_weights_iterator
 
@@ -27,4 +31,17 @@ def get_model(
     finally:
         torch.set_default_dtype(default_dtype)
     model.load_weights(safetensors_weights_iterator(model_config.local_path))
+    process_weights_after_loading(model, model_config)
     return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module, model_config: ModelConfig) -> None:
+    """Pack the weights of every linear layer and of the LM head for the
+    CPU's oneDNN matmul (layers/utils.py), as vLLM's CPU backend does; a
+    compiled model keeps them as they are, for Inductor."""
+    if model_config.compilation_level != CompilationLevel.NO_COMPILATION:
+        return
+    head = getattr(model, "lm_head", None)  # the embedding itself, when tied
+    for module in model.modules():
+        if isinstance(module, LinearBase) or module is head:
+            dispatch_cpu_unquantized_gemm(module)

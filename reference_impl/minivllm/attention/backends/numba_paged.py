@@ -14,6 +14,21 @@ from minivllm.attention.backends.abstract import AttentionImpl
 from minivllm.attention.backends.torch_paged import TorchAttentionBackend, TorchPagedAttention
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
 
+# K/V rows a thread should have to itself before the kernel uses one more.
+# Starting a parallel region wakes the pool's sleeping threads (minivllm sets
+# OMP_WAIT_POLICY=PASSIVE, envs.py): about 50 us on our 2-core VM, where one
+# thread reads a row in about 35 ns, so a second thread pays off from about
+# 3 000 rows (a batch of 8 at 67 tokens and 4 KV heads is 2 144: 75 us on one
+# thread, 86 on two). Each (sequence, KV head) is computed the same way
+# whatever the thread count, so outputs do not change with it.
+MIN_ROWS_PER_THREAD = 3072
+
+
+def kernel_threads(rows: int, max_threads: int) -> int:
+    """Threads for a kernel reading `rows` K/V rows: one per
+    MIN_ROWS_PER_THREAD, at least 1, at most torch's and Numba's counts."""
+    return max(1, min(rows // MIN_ROWS_PER_THREAD, max_threads, numba.config.NUMBA_NUM_THREADS))
+
 
 class NumbaPagedAttention(TorchPagedAttention):
     def forward_decode(
@@ -25,12 +40,14 @@ class NumbaPagedAttention(TorchPagedAttention):
         max_seq_len: int,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
         out = torch.empty_like(query)
-        # The kernel's threads follow torch's: an executor that gives each
+        # The kernel uses at most torch's threads: an executor that gives each
         # tensor-parallel rank its share of the cores (torch.set_num_threads)
         # then limits this kernel too, instead of every rank's threads
-        # spinning on all the cores (tp=2 on 2 cores: 2-3x slower steps).
+        # spinning on all the cores (tp=2 on 2 cores: 2-3x slower steps);
+        # fewer for a small batch (kernel_threads).
         threads = torch.get_num_threads()
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        rows = int(seq_lens.sum()) * kv_cache.shape[3]  # K/V rows the kernel reads
+        numba.set_num_threads(kernel_threads(rows, threads))
         # .numpy() shares memory with the CPU tensors: no copies.
         paged_attention_decode(
             out.numpy(),

@@ -27,7 +27,6 @@ which takes the full checkpoint tensor and copies this rank's shard.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed import (
@@ -37,6 +36,7 @@ from minivllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from minivllm.distributed.utils import divide
+from minivllm.model_executor.layers.utils import unquantized_gemm
 from minivllm.model_executor.weight_utils import default_weight_loader
 
 
@@ -70,7 +70,7 @@ class ReplicatedLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
-        return self._result(F.linear(x, self.weight, bias))
+        return self._result(unquantized_gemm(self, x, bias))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -107,7 +107,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(x, self.weight, bias)  # [num_tokens, output_size_per_partition]
+        output = unquantized_gemm(self, x, bias)  # [num_tokens, output_size_per_partition]
         if self.gather_output:
             output = tensor_model_parallel_all_gather(output)  # [num_tokens, output_size]
         return self._result(output)
@@ -239,7 +239,7 @@ class RowParallelLinear(LinearBase):
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]
         # Only rank 0 adds the bias, so the sum over ranks adds it once.
         bias = None if (self.tp_rank > 0 or self.skip_bias_add) else self.bias
-        output = F.linear(x, self.weight, bias)  # [num_tokens, output_size], partial
+        output = unquantized_gemm(self, x, bias)  # [num_tokens, output_size], partial
         if self.reduce_results and self.tp_size > 1:
             output = tensor_model_parallel_all_reduce(output)
         return self._result(output)

@@ -8,10 +8,10 @@ the padding columns are cut off. The other ranks get None.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed import tensor_model_parallel_gather
+from minivllm.model_executor.layers.utils import unquantized_gemm
 from minivllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 
@@ -26,7 +26,7 @@ class LogitsProcessor(nn.Module):
         hidden_states: torch.Tensor,  # [num_rows, hidden_size]: the rows that sample
     ) -> torch.Tensor | None:
         bias = getattr(lm_head, "bias", None)
-        logits = F.linear(hidden_states, lm_head.weight, bias)  # [num_rows, vocab / tp]
+        logits = unquantized_gemm(lm_head, hidden_states, bias)  # [num_rows, vocab / tp]
         logits = tensor_model_parallel_gather(logits)  # driver: [num_rows, padded vocab]
         if logits is None:
             return None

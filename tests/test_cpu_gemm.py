@@ -1,0 +1,114 @@
+"""The CPU's packed linear layers (model_executor/layers/utils.py): the
+oneDNN product by a weight packed once equals `F.linear`, the reference, to
+float32 rounding; a row's result does not depend on the rest of the batch;
+the loader packs every projection and the LM head of an eager float32
+model on a CPU, and nothing of a compiled one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm import LLM, SamplingParams
+from minivllm.model_executor.layers.linear import LinearBase
+from minivllm.model_executor.layers.utils import (
+    dispatch_cpu_unquantized_gemm,
+    supports_packed_cpu_gemm,
+    unquantized_gemm,
+)
+
+pytestmark = pytest.mark.skipif(
+    not supports_packed_cpu_gemm(torch.empty(1, 1)), reason="needs an x86 CPU with oneDNN"
+)
+
+
+def layer_of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    layer = nn.Module()
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.bias = bias
+    dispatch_cpu_unquantized_gemm(layer)
+    return layer
+
+
+# (tokens, in, out): one decode row, a decode batch, a prefill; odd sizes too.
+SHAPES = [(1, 64, 96), (8, 512, 1024), (37, 100, 3), (256, 192, 384)]
+
+
+@pytest.mark.parametrize("tokens, in_features, out_features", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_packed_product_equals_f_linear(tokens, in_features, out_features, with_bias):
+    g = torch.Generator().manual_seed(tokens * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    x = torch.randn(tokens, in_features, generator=g)
+    layer = layer_of(weight, bias)
+    assert layer.packed_weight is not None
+    got = unquantized_gemm(layer, x, bias)
+    assert got.shape == (tokens, out_features)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    # A view of a wider tensor (a split of a fused projection's output) too.
+    wide = torch.randn(tokens, 2 * in_features, generator=g)
+    torch.testing.assert_close(
+        unquantized_gemm(layer, wide[:, :in_features], bias),
+        F.linear(wide[:, :in_features], weight, bias), rtol=1e-5, atol=1e-5,
+    )
+
+
+def test_a_row_alone_equals_the_row_in_any_batch():
+    """Bit for bit, whatever the batch size: the property seeded sampling's
+    batch invariance rests on (F.linear has it not: one row goes to gemv)."""
+    g = torch.Generator().manual_seed(0)
+    layer = layer_of(torch.randn(1024, 512, generator=g) * 0.05)
+    x = torch.randn(130, 512, generator=g)
+    whole = unquantized_gemm(layer, x)
+    for size in (1, 2, 3, 8, 17, 64, 129):
+        assert torch.equal(unquantized_gemm(layer, x[:size]), whole[:size]), size
+    alone = torch.cat([unquantized_gemm(layer, x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(alone, whole)
+
+
+def test_what_is_not_packed_keeps_f_linear():
+    for weight in (torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.float64)):
+        layer = layer_of(weight)
+        assert layer.packed_weight is None
+        x = torch.randn(3, 4, dtype=weight.dtype)
+        assert torch.equal(unquantized_gemm(layer, x), F.linear(x, weight))
+    plain = nn.Module()
+    plain.weight = torch.randn(8, 4)  # never dispatched: F.linear
+    x = torch.ones(2, 4)
+    assert torch.equal(unquantized_gemm(plain, x), F.linear(x, plain.weight))
+
+
+def packed_layers(llm: LLM) -> tuple[list[bool], bool]:
+    model = llm.llm_engine.worker.model_runner.model
+    packed = [getattr(m, "packed_weight", None) is not None for m in model.modules()
+              if isinstance(m, LinearBase)]
+    heads = [m.lm_head for m in model.modules() if hasattr(m, "lm_head")]
+    assert len(heads) == 1  # the model's (a compiled model's too, inside its wrapper)
+    return packed, getattr(heads[0], "packed_weight", None) is not None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_loader_packs_every_projection_and_the_head(tiny_model_dir, hf_model, arch):
+    """Every linear layer and the LM head (GPT-2's is its tied embedding),
+    and the packed engine's greedy tokens are HF's."""
+    llm = LLM(tiny_model_dir(arch), block_size=8)
+    linears, head = packed_layers(llm)
+    assert linears and all(linears) and head
+    prompt = [5, 9, 14, 3, 27]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    with torch.inference_mode():
+        hf = hf_model(arch).generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+            eos_token_id=None, pad_token_id=0,
+        )
+    assert list(ours.outputs[0].token_ids) == hf[0, len(prompt):].tolist()
+
+
+def test_a_compiled_model_keeps_its_weights_unpacked(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), block_size=8, compilation_level=3)
+    linears, head = packed_layers(llm)
+    assert linears and not any(linears) and not head
