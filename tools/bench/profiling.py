@@ -111,3 +111,14 @@ def innermost_label(event) -> str | None:
             return e.name
         e = e.cpu_parent
     return None
+
+
+def in_model_matmul(event) -> bool:
+    """Whether `event` is a matrix product, or called by one, with no label
+    between it and that product (so its time is the product's)."""
+    e = event
+    while e is not None and e.name not in LABELS:
+        if e.name in MATMUL_OPS:
+            return True
+        e = e.cpu_parent
+    return False

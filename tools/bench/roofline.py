@@ -81,7 +81,7 @@ from tools.bench.common import (
     set_threads,
     write_result,
 )
-from tools.bench.profiling import LABELS, MATMUL_OPS, profile_steps
+from tools.bench.profiling import in_model_matmul, innermost_label, profile_steps
 
 BLOCK_SIZE = 16
 
@@ -257,16 +257,10 @@ def part_of(event) -> str:
     with a matrix product on its way up (the product itself, or what it
     calls) is "matmul", the rest "model_other"; the step's own code and
     anything unlabelled is "engine_other"."""
-    e, in_matmul = event, False
-    while e is not None:
-        if e.name in MATMUL_OPS:
-            in_matmul = True
-        if e.name in LABELS:
-            if e.name == "model":
-                return "matmul" if in_matmul else "model_other"
-            return _PART_OF_LABEL[e.name]
-        e = e.cpu_parent
-    return "engine_other"
+    label = innermost_label(event)
+    if label == "model":
+        return "matmul" if in_model_matmul(event) else "model_other"
+    return _PART_OF_LABEL.get(label, "engine_other")
 
 
 def time_by_part(events) -> dict[str, float]:

@@ -41,6 +41,7 @@ from minivllm.worker.model_runner import FlatBatch, ModelInput, ModelRunner
 from tools.bench.profiling import (  # noqa: F401 - labelled, profile_steps: for the notebook
     LABELS,
     MATMUL_OPS,
+    in_model_matmul,
     innermost_label,
     labelled,
     profile_steps,
@@ -156,20 +157,10 @@ def reference_time_by_part(events) -> dict[str, float]:
 
 
 def _reference_part(event) -> str:
-    e, in_matmul = event, False
-    while e is not None:
-        if e.name in MATMUL_OPS:
-            in_matmul = True
-        if e.name in LABELS:
-            if e.name == "attention":
-                return "attention"
-            if e.name == "sampler":
-                return "sampling"
-            if e.name == "model":
-                return "matmul" if in_matmul else "model_other"
-            return "bookkeeping"
-        e = e.cpu_parent
-    return "bookkeeping"
+    label = innermost_label(event)
+    if label == "model":
+        return "matmul" if in_model_matmul(event) else "model_other"
+    return {"attention": "attention", "sampler": "sampling"}.get(label, "bookkeeping")
 
 
 def shares(parts: dict[str, float]) -> dict[str, float]:
