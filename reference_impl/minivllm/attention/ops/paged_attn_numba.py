@@ -5,10 +5,15 @@ sequence's blocks into a padded contiguous copy, then attends. This kernel
 reads each key and value row straight from its block, the way the CUDA kernel
 does, and never touches a slot past a sequence's end.
 
-Work is split over (sequence, KV head) pairs with `prange`: with grouped-query
-attention the query heads that share a KV head are computed together, so each
-K/V row is loaded once for the whole group. Scores, softmax and the weighted
-sum are accumulated in float32.
+Work is split with `prange` over sequences, each item taking a run of its KV
+heads (all of them, unless there are fewer sequences than threads): a token's
+K (or V) row for every KV head is one contiguous stretch of its block,
+[kv_heads, head_size], so an item reads whole rows front to back, as the
+block layout lays them out, instead of one head's slice of each. With
+grouped-query attention the query heads that share a KV head are computed
+together, so each K/V row is loaded once for the whole group. Scores, softmax
+and the weighted sum are accumulated in float32, for each head in the same
+order however the work is split: the split changes no bit of the output.
 
 `fastmath={"reassoc", "contract"}` lets LLVM reorder the q.k sums into SIMD
 lanes and fuse multiply-adds: without it, a float sum must be added strictly
@@ -57,7 +62,13 @@ def paged_attention_decode(
             f"block numbers must be in [0, {len(key_cache)}), got "
             f"{block_tables.min()}..{block_tables.max()}"
         )
-    _paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+    # Items per sequence: enough for every thread when sequences are few.
+    num_kv_heads = key_cache.shape[2]
+    items_per_seq = min(num_kv_heads, -(-numba.get_num_threads() // max(len(seq_lens), 1)))
+    kv_heads_per_item = -(-num_kv_heads // items_per_seq)
+    _paged_attention_decode(
+        out, query, key_cache, value_cache, block_tables, seq_lens, scale, kv_heads_per_item
+    )
 
 
 @numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
@@ -69,47 +80,53 @@ def _paged_attention_decode(
     block_tables: np.ndarray,  # [num_seqs, max_blocks_per_seq], int64
     seq_lens: np.ndarray,  # [num_seqs], int64, each >= 1
     scale: float,
+    kv_heads_per_item: int,  # KV heads one work item computes (the last may have fewer)
 ) -> None:
     num_seqs, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads  # query heads per KV head
-    for work in numba.prange(num_seqs * num_kv_heads):
-        seq, kv_head = work // num_kv_heads, work % num_kv_heads
+    items_per_seq = (num_kv_heads + kv_heads_per_item - 1) // kv_heads_per_item
+    for work in numba.prange(num_seqs * items_per_seq):
+        seq, item = work // items_per_seq, work % items_per_seq
+        first_kv = item * kv_heads_per_item
+        last_kv = min(first_kv + kv_heads_per_item, num_kv_heads)
+        first_head, heads = first_kv * group, (last_kv - first_kv) * group
         seq_len = seq_lens[seq]
-        first_head = kv_head * group
-        q = query[seq, first_head : first_head + group].astype(np.float32)  # [group, head_size]
+        q = query[seq, first_head : first_head + heads].astype(np.float32)  # [heads, head_size]
 
-        # Scores for every token, for each query head of the group.
-        logits = np.empty((group, seq_len), dtype=np.float32)
+        # Scores for every token, for each query head of the item.
+        logits = np.empty((heads, seq_len), dtype=np.float32)
         for t in range(seq_len):
             block = block_tables[seq, t // block_size]
-            k = key_cache[block, t % block_size, kv_head]  # [head_size], a view into the block
-            for g in range(group):
+            k_row = key_cache[block, t % block_size]  # [num_kv_heads, head_size], contiguous
+            for h in range(heads):
+                k = k_row[first_kv + h // group]
                 dot = np.float32(0.0)
                 for d in range(head_size):
-                    dot += q[g, d] * k[d]
-                logits[g, t] = dot * scale
+                    dot += q[h, d] * k[d]
+                logits[h, t] = dot * scale
 
         # Softmax numerators, relative to each head's max for stability.
-        inv_sums = np.empty(group, dtype=np.float32)
-        for g in range(group):
-            m = logits[g].max()
+        inv_sums = np.empty(heads, dtype=np.float32)
+        for h in range(heads):
+            m = logits[h].max()
             s = np.float32(0.0)
             for t in range(seq_len):
-                e = math.exp(logits[g, t] - m)
-                logits[g, t] = e
+                e = math.exp(logits[h, t] - m)
+                logits[h, t] = e
                 s += e
-            inv_sums[g] = 1.0 / s
+            inv_sums[h] = 1.0 / s
 
         # Probability-weighted sum of V rows.
-        acc = np.zeros((group, head_size), dtype=np.float32)
+        acc = np.zeros((heads, head_size), dtype=np.float32)
         for t in range(seq_len):
             block = block_tables[seq, t // block_size]
-            v = value_cache[block, t % block_size, kv_head]  # [head_size]
-            for g in range(group):
-                p = logits[g, t]
+            v_row = value_cache[block, t % block_size]  # [num_kv_heads, head_size]
+            for h in range(heads):
+                v = v_row[first_kv + h // group]
+                p = logits[h, t]
                 for d in range(head_size):
-                    acc[g, d] += p * v[d]
-        for g in range(group):
+                    acc[h, d] += p * v[d]
+        for h in range(heads):
             for d in range(head_size):
-                out[seq, first_head + g, d] = acc[g, d] * inv_sums[g]
+                out[seq, first_head + h, d] = acc[h, d] * inv_sums[h]
