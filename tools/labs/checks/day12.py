@@ -37,7 +37,13 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
-from minivllm.worker.model_runner import FlatBatch, ModelInput, ModelRunner
+from minivllm.worker.model_runner import (
+    FlatBatch,
+    ModelInput,
+    ModelRunner,
+    _get_graph_batch_size,
+    _get_max_graph_batch_size,
+)
 from tools.bench.profiling import (  # noqa: F401 - labelled, profile_steps: for the notebook
     LABELS,
     MATMUL_OPS,
@@ -570,25 +576,13 @@ def exercise_2(decode_throughput) -> None:
 
 # -- exercise 3: launch overhead and CUDA graphs -------------------------------------------
 
-# vLLM v0.6 (vllm/worker/model_runner.py): graphs for decode batches of these sizes.
-CAPTURE_SIZES = (1, 2, 4) + tuple(8 * i for i in range(1, 33))  # 1, 2, 4, 8, ..., 256
-
-
-def _pad(n: int) -> int:
-    """vLLM's `_get_graph_batch_size`: 1 and 2 as they are, then 4, then the
-    next multiple of 8."""
-    return n if n <= 2 else 4 if n <= 4 else -(-n // 8) * 8
-
-
-def largest_graph(max_num_seqs: int) -> int:
-    """vLLM's `_get_max_graph_batch_size`: max_num_seqs padded, at most 256."""
-    return min(_pad(max_num_seqs), CAPTURE_SIZES[-1])
-
-
 def reference_graph_batch_size(batch: int, max_num_seqs: int = 256) -> int | None:
     """The captured size a decode batch of `batch` sequences runs at (padded
-    up with dummy rows), or None when no graph is that large: eager."""
-    return _pad(batch) if batch <= largest_graph(max_num_seqs) else None
+    up with dummy rows), or None when no graph is that large: eager. The
+    engine's own rule (worker/model_runner.py, vLLM v0.6's functions)."""
+    if batch > _get_max_graph_batch_size(max_num_seqs):
+        return None
+    return _get_graph_batch_size(batch)
 
 
 @dataclass(frozen=True)
@@ -630,7 +624,7 @@ _GRAPH_CASES = [(b, 256) for b in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 63, 64, 6
 def _graph_hint(batch: int, max_num_seqs: int, got: Any, want: int | None) -> str:
     if want is None:
         return (f"no graph is captured for {batch} sequences: vLLM captures decode batches up "
-                f"to {largest_graph(max_num_seqs)} "
+                f"to {_get_max_graph_batch_size(max_num_seqs)} "
                 f"(max_num_seqs={max_num_seqs} padded, and never more than 256); a larger "
                 "batch runs eagerly. Return None.")
     if got is None:
