@@ -216,7 +216,7 @@ def decode_step(llm: LLM, prompts: list[list[int]]):
 
 def logits_of(runner, model_input, kv_caches) -> torch.Tensor:
     with torch.inference_mode(), set_forward_context(
-        model_input.attn_metadata, kv_caches, runner.attn_layers
+        model_input.attn_metadata, kv_caches, runner.attn_layers, runner.packed_layers
     ):
         hidden = runner.model_forward(
             model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata

@@ -1,8 +1,8 @@
 """The CPU's packed linear layers (model_executor/layers/utils.py): the
 oneDNN product by a weight packed once equals `F.linear`, the reference, to
 float32 rounding; a row's result does not depend on the rest of the batch;
-the loader packs every projection and the LM head of an eager float32
-model on a CPU, and nothing of a compiled one."""
+the loader packs every projection and the LM head of a float32 model on a
+CPU, and a compiled model multiplies by them through its opaque op."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm import LLM, SamplingParams
+from minivllm.compilation import CompilationLevel
 from minivllm.model_executor.layers.linear import LinearBase
 from minivllm.model_executor.layers.utils import (
     dispatch_cpu_unquantized_gemm,
@@ -108,7 +109,21 @@ def test_the_loader_packs_every_projection_and_the_head(tiny_model_dir, hf_model
     assert list(ours.outputs[0].token_ids) == hf[0, len(prompt):].tolist()
 
 
-def test_a_compiled_model_keeps_its_weights_unpacked(tiny_model_dir):
-    llm = LLM(tiny_model_dir("llama"), block_size=8, compilation_level=3)
+def test_a_compiled_model_multiplies_by_the_packed_weights(tiny_model_dir):
+    """Compiled, every projection is the opaque `cpu_packed_linear` (TorchDynamo
+    cannot trace the packed tensor; an F.linear in its place would run, only
+    slower, so the op is counted), and the tokens are the eager engine's."""
+    model_dir = tiny_model_dir("llama")
+    prompt = {"prompt_token_ids": [5, 9, 14, 3, 27]}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eager = LLM(model_dir, block_size=8).generate([prompt], params, use_tqdm=False)[0]
+    llm = LLM(model_dir, block_size=8, compilation_level=CompilationLevel.DYNAMO_ONCE)
     linears, head = packed_layers(llm)
-    assert linears and not any(linears) and not head
+    assert linears and all(linears) and head
+    llm.generate([prompt], params, use_tqdm=False)  # compiles (tracing calls the op too)
+    with torch.profiler.profile() as profile:
+        ours = llm.generate([prompt], params, use_tqdm=False)[0]
+    calls = sum(e.count for e in profile.key_averages() if e.key == "minivllm::cpu_packed_linear")
+    # One call per projection per forward (the LM head runs eagerly, after the graph).
+    assert calls == len(linears) * params.max_tokens
+    assert ours.outputs[0].token_ids == eager.outputs[0].token_ids

@@ -318,6 +318,7 @@ def run_single_request(
     repeats: int = 5,
     device: str = "cpu",
     seed: int = 0,
+    compilation_level: int = 0,
 ) -> SingleRequest:
     """The engine and HF `generate` on one seeded request, after one warm-up
     each, `repeats` times each, interleaved. The read bandwidth is measured
@@ -325,7 +326,8 @@ def run_single_request(
     least disturbed run is the closest to the hardware), so that a busy
     spell of a shared machine does not lower the floor."""
     llm = LLM(
-        model_dir, max_model_len=prompt_len + output_len, device=device, seed=0, swap_space=0
+        model_dir, max_model_len=prompt_len + output_len, device=device, seed=0, swap_space=0,
+        compilation_level=compilation_level,
     )
     hf_dtype = llm.llm_engine.model_config.dtype
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype).to(device).eval()
@@ -443,6 +445,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--single-only", action="store_true", help="only the lone request, no Poisson runs"
     )
+    parser.add_argument(
+        "--compilation-level", type=int, default=0, help="the engine's, lone request (0: eager)"
+    )
     parser.add_argument("--quick", action="store_true", help="12 requests, tiny model, 8 req/s")
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -461,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
             args.single_repeats,
             args.device,
             args.seed,
+            args.compilation_level,
         )
     summaries = [run.summary() for run in runs]
     if runs:

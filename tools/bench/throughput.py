@@ -52,6 +52,7 @@ others first diverge, rather than fail.
     python -m tools.bench.throughput                 # the CPU workload above (7-9 min)
     python -m tools.bench.throughput --quick         # 16 requests of 16-64 + 16-64
     python -m tools.bench.throughput --repeats 5 --hf-cb-batch-sizes 8 16 32 64 --extra-runs
+    python -m tools.bench.throughput --compilation-level 3   # the engine's model compiled
     python -m tools.bench.throughput --model-size 0.5b --device cuda --num-requests 256
 """
 
@@ -472,6 +473,7 @@ def run_throughput(
     repeats: int = 3,
     hf_cb_batch_sizes: Sequence[int] = DEFAULT_HF_CB_BATCH_SIZES,
     extra_runs: bool = False,
+    compilation_level: int = 0,
 ) -> ThroughputResult:
     """Every run of the module docstring, side by side."""
     torch_dtype = getattr(torch, dtype)
@@ -482,8 +484,11 @@ def run_throughput(
     batch_kv, budget_kv = max_num_seqs * max_len, budget_seqs * max_len
 
     def new_engine(use_v1: bool, kv_tokens: int) -> LLM:
+        # V1 is not compiled here (it refuses the option).
+        compiled = {} if use_v1 else {"compilation_level": compilation_level}
         llm = make_engine(
-            model_dir, max_num_seqs, kv_tokens, max_len, use_v1, device=device, dtype=dtype
+            model_dir, max_num_seqs, kv_tokens, max_len, use_v1, device=device, dtype=dtype,
+            **compiled,
         )
         warm_up(llm, hf, requests)
         if use_v1:  # the warm-up's prompts must not give V1 free prefix hits
@@ -495,6 +500,8 @@ def run_throughput(
         llm = new_engine(False, batch_kv)
         step_tokens = llm.llm_engine.scheduler_config.max_num_batched_tokens
         name = f"engine, batch {max_num_seqs}"
+        if compilation_level:
+            name += f", -O{compilation_level}"
         key = run_key_runs(
             lambda: engine_run(llm, requests, name, max_num_seqs, batch_kv),
             lambda b: hf_continuous(hf, requests, b, batch_kv, step_tokens),
@@ -736,6 +743,9 @@ def main(argv: list[str] | None = None) -> None:
         "(about 2 minutes more; default: only with --quick)",
     )
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 ...")
+    parser.add_argument(
+        "--compilation-level", type=int, default=0, help="the classic engine's (0: eager)"
+    )
     parser.add_argument("--quick", action="store_true", help="16 requests of 16-64 + 16-64 tokens")
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -760,6 +770,7 @@ def main(argv: list[str] | None = None) -> None:
             args.repeats,
             args.hf_cb_batch_sizes,
             extra_runs,
+            args.compilation_level,
         )
     print_result(result)
     out = write_result("throughput", result_payload(result), args.json)

@@ -1,4 +1,4 @@
-"""What the attention layers of a compiled model read at run time.
+"""What the opaque ops of a compiled model read at run time.
 
 A compiled graph must not depend on the per-step Python values of
 `AttentionMetadata` (lists of sequence lengths, the number of prefills):
@@ -7,6 +7,8 @@ the graph only carries each layer's q, k and v into an opaque attention op
 (`attention/layer.py::unified_attention`), and the op takes the step's
 metadata and the layer's KV cache from here. The model runner sets them
 around each forward (vLLM's `set_forward_context`, vllm/forward_context.py).
+The CPU's packed linear products (model_executor/layers/utils.py) find their
+layer's packed weight here the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one per layer: [2, num_blocks, block_size, kv_heads, head]
     attn_layers: list[Any]  # the model's `Attention` modules
+    # The layers with packed CPU weights, as `packed_gemm_layers` numbers
+    # them, for the compiled model's `cpu_packed_linear` op.
+    packed_layers: list[Any]
 
 
 _forward_context: ContextVar[ForwardContext | None] = ContextVar("forward_context", default=None)
@@ -38,9 +43,13 @@ _forward_context: ContextVar[ForwardContext | None] = ContextVar("forward_contex
 
 @contextlib.contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor], attn_layers: list[Any]
+    attn_metadata: AttentionMetadata,
+    kv_caches: list[torch.Tensor],
+    attn_layers: list[Any],
+    packed_layers: list[Any],
 ) -> Iterator[None]:
-    token = _forward_context.set(ForwardContext(attn_metadata, kv_caches, attn_layers))
+    context = ForwardContext(attn_metadata, kv_caches, attn_layers, packed_layers)
+    token = _forward_context.set(context)
     try:
         yield
     finally:

@@ -8,7 +8,6 @@ from torch import nn
 
 from minivllm.attention.backends.abstract import AttentionBackend
 from minivllm.attention.selector import set_attn_backend
-from minivllm.compilation import CompilationLevel
 from minivllm.config import ModelConfig
 from minivllm.model_executor.layers.linear import LinearBase
 from minivllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -37,10 +36,8 @@ def get_model(
 
 def process_weights_after_loading(model: nn.Module, model_config: ModelConfig) -> None:
     """Pack the weights of every linear layer and of the LM head for the
-    CPU's oneDNN matmul (layers/utils.py), as vLLM's CPU backend does; a
-    compiled model keeps them as they are, for Inductor."""
-    if model_config.compilation_level != CompilationLevel.NO_COMPILATION:
-        return
+    CPU's oneDNN matmul (layers/utils.py), as vLLM's CPU backend does,
+    whether the model is then run eagerly or compiled."""
     head = getattr(model, "lm_head", None)  # the embedding itself, when tied
     for module in model.modules():
         if isinstance(module, LinearBase) or module is head:

@@ -34,6 +34,7 @@ from minivllm.attention.selector import get_attn_backend
 from minivllm.compilation import CompilationLevel, set_forward_context
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
 from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
+from minivllm.model_executor.layers.utils import packed_gemm_layers
 from minivllm.model_executor.model_loader import get_model
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sequence import SequenceGroupMetadata
@@ -219,10 +220,12 @@ class ModelRunner:
         # What runs the forward: the model itself, or its compiled form.
         self.model_forward: Any = None
         self.attn_layers: list = []  # the model's Attention layers, numbered
+        self.packed_layers: list = []  # its layers with packed CPU weights, numbered
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device, self.attn_backend)
         self.attn_layers = attention_layers(self.model)
+        self.packed_layers = packed_gemm_layers(self.model)
         self.model_forward = self.model
         level = self.model_config.compilation_level
         if level > CompilationLevel.NO_COMPILATION:
@@ -278,8 +281,10 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Run the model and sample; on the ranks other than the driver, run
         this rank's shard of the model and return None (the driver samples)."""
-        # The context is read only by a compiled model's attention op.
-        with set_forward_context(model_input.attn_metadata, kv_caches, self.attn_layers):
+        # The context is read only by a compiled model's opaque ops.
+        with set_forward_context(
+            model_input.attn_metadata, kv_caches, self.attn_layers, self.packed_layers
+        ):
             hidden_states = self.model_forward(
                 model_input.input_ids,
                 model_input.positions,

@@ -19,8 +19,10 @@ bits than the same token in a batch (gemm). `F.linear` stays the reference
 (`tests/test_cpu_gemm.py` holds the two equal to rounding).
 
 Packed only where it helps and can be used: a float32 weight on an x86 CPU
-with oneDNN, in an eager model (`torch.compile` cannot trace an opaque
-oneDNN tensor; Inductor packs weights its own way). The packed copy is a
+with oneDNN. A compiled model multiplies by the same packed weights:
+TorchDynamo cannot trace an opaque oneDNN tensor, so the product is an op it
+does not look into (`cpu_packed_linear`, as attention is `unified_attention`),
+and Inductor fuses the element-wise work between the products. The packed copy is a
 snapshot: a weight changed after loading must be packed again. The weight
 itself is kept (for the lessons, the tests and tensor-parallel checks that
 read it), so a packed layer holds its weights twice on the CPU.
@@ -33,6 +35,8 @@ import platform
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minivllm.compilation.forward_context import get_forward_context
 
 
 def supports_packed_cpu_gemm(weight: torch.Tensor) -> bool:
@@ -62,8 +66,49 @@ def unquantized_gemm(
     x: torch.Tensor,  # [num_tokens, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [num_tokens, out]
-    """x @ layer.weight.T + bias: by the packed weight when there is one."""
+    """x @ layer.weight.T + bias: by the packed weight when there is one.
+
+    Traced by TorchDynamo, a packed layer becomes the opaque op
+    `cpu_packed_linear` (the packed tensor stays out of the graph); a layer
+    that is not packed, or not numbered by `packed_gemm_layers`, is a plain
+    `F.linear` that Inductor compiles its own way."""
+    if torch.compiler.is_compiling():
+        index = getattr(layer, "packed_index", None)
+        if index is None:
+            return F.linear(x, layer.weight, bias)
+        return torch.ops.minivllm.cpu_packed_linear(x, layer.weight, bias, index)
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
         return F.linear(x, layer.weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_gemm_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's layers with a packed weight, in module order, each told
+    its index (`packed_index`): the forward context lists them in this order
+    for `cpu_packed_linear`, as it lists the attention layers."""
+    layers = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    for index, layer in enumerate(layers):
+        layer.packed_index = index
+    return layers
+
+
+@torch.library.custom_op("minivllm::cpu_packed_linear", mutates_args=())
+def cpu_packed_linear(
+    x: torch.Tensor,  # [num_tokens, in]
+    weight: torch.Tensor,  # [out, in]: for the output's shape when traced; not read
+    bias: torch.Tensor | None,  # [out]
+    layer_index: int,
+) -> torch.Tensor:  # [num_tokens, out]
+    """A compiled model's packed product (the role of vLLM's `onednn_mm` op,
+    which takes a handle to the layer's oneDNN weights). The handle here is
+    the layer's number: the packed weight is found through the forward
+    context, so a graph compiled for one engine runs with another engine's
+    weights, as the attention op does."""
+    layer = get_forward_context().packed_layers[layer_index]
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+
+
+@cpu_packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer_index: int):
+    return x.new_empty((x.shape[0], weight.shape[0]))
