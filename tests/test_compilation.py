@@ -48,9 +48,17 @@ def make_llm(model_dir: str, level: int, backend: str = "torch", **options) -> L
     )
 
 
+def model_runner(llm: LLM):
+    """The classic engine's ModelRunner, or V1's GPUModelRunner."""
+    engine = llm.llm_engine
+    if hasattr(engine, "worker"):
+        return engine.worker.model_runner
+    return engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+
+
 def spy_on_forward(llm: LLM) -> list[tuple[int, int, int]]:
     """Record (tokens, prefills, decode tokens) of every forward the runner makes."""
-    runner = llm.llm_engine.worker.model_runner
+    runner = model_runner(llm)
     forward, steps = runner.model_forward, []
 
     def recording(input_ids, positions, kv_caches, attn_metadata):
@@ -95,8 +103,12 @@ def eager_tokens(tiny_model_dir):
     return run_waves(make_llm(tiny_model_dir("llama"), CompilationLevel.NO_COMPILATION))
 
 
-def check_compiled_run(model_dir: str, level: int, backend: str, eager_tokens) -> None:
-    llm = make_llm(model_dir, level, backend)
+def check_compiled_run(
+    model_dir: str, level: int, backend: str, eager_tokens, **options
+) -> None:
+    models_seen = compilation_counter.num_models_seen
+    llm = make_llm(model_dir, level, backend, **options)
+    assert compilation_counter.num_models_seen == models_seen + 1  # the runner compiles
     steps = spy_on_forward(llm)
     before, threads = compilation_counter.clone(), torch.get_num_threads()
     tokens = run_waves(llm)
@@ -133,6 +145,24 @@ def test_dynamo_as_is_greedy_equals_eager(tiny_model_dir, eager_tokens):
     assert run_waves(llm) == eager_tokens
 
 
+@pytest.mark.parametrize(
+    "level",
+    [
+        CompilationLevel.DYNAMO_ONCE,
+        pytest.param(CompilationLevel.PIECEWISE, marks=pytest.mark.slow),
+    ],
+)
+def test_v1_compiled_greedy_equals_v1_eager_and_compiles_once(tiny_model_dir, level):
+    """V1's runner compiles the same way (vLLM's V1 compiles by default; ours
+    is eager unless asked): its own schedule (prefix caching on, the batch
+    reordered with prefills first) gives the eager V1 engine's tokens, from
+    one graph."""
+    model_dir = tiny_model_dir("llama")
+    v1 = {"use_v1": True, "max_model_len": 128}  # V1 wants room for one longest request
+    want = run_waves(make_llm(model_dir, CompilationLevel.NO_COMPILATION, **v1))
+    check_compiled_run(model_dir, level, "numba", want, **v1)
+
+
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
 def test_every_architecture_compiles_to_one_graph(tiny_model_dir, arch):
     """Every model traces whole (DYNAMO_ONCE refuses graph breaks), and runs
@@ -167,16 +197,9 @@ def test_a_bad_compilation_level_is_refused(tiny_model_dir, value):
         EngineArgs(model=tiny_model_dir("llama"), compilation_level=value).create_engine_config()
 
 
-@pytest.mark.parametrize(
-    "options, message",
-    [
-        ({"use_v1": True}, "classic engine only"),
-        ({"tensor_parallel_size": 2}, "one worker only"),
-    ],
-)
-def test_compilation_the_engine_would_not_do_is_refused(tiny_model_dir, options, message):
-    args = EngineArgs(model=tiny_model_dir("llama"), compilation_level=3, **options)
-    with pytest.raises(ValueError, match=message):
+def test_compilation_with_tensor_parallelism_is_refused(tiny_model_dir):
+    args = EngineArgs(model=tiny_model_dir("llama"), compilation_level=3, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="one worker only"):
         args.create_engine_config()
 
 
@@ -233,7 +256,7 @@ def test_a_padded_decode_batch_changes_nothing_but_its_real_rows(
                    max_num_batched_tokens=None)
     poison_kv_cache(llm)  # a padding row reading or writing a stray slot would show
     meta = decode_step(llm, [prompt_ids(n, n) for n in (5, 13, 9)])
-    runner = llm.llm_engine.worker.model_runner
+    runner = model_runner(llm)
     size = graph_batch_size or _get_graph_batch_size(len(meta))
     plain = runner.prepare_model_input(meta)
     padded = runner.prepare_model_input(meta, graph_batch_size=size)

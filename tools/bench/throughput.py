@@ -484,11 +484,9 @@ def run_throughput(
     batch_kv, budget_kv = max_num_seqs * max_len, budget_seqs * max_len
 
     def new_engine(use_v1: bool, kv_tokens: int) -> LLM:
-        # V1 is not compiled here (it refuses the option).
-        compiled = {} if use_v1 else {"compilation_level": compilation_level}
         llm = make_engine(
             model_dir, max_num_seqs, kv_tokens, max_len, use_v1, device=device, dtype=dtype,
-            **compiled,
+            compilation_level=compilation_level,
         )
         warm_up(llm, hf, requests)
         if use_v1:  # the warm-up's prompts must not give V1 free prefix hits
@@ -744,7 +742,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 ...")
     parser.add_argument(
-        "--compilation-level", type=int, default=0, help="the classic engine's (0: eager)"
+        "--compilation-level", type=int, default=0, help="the engines' (0: eager)"
     )
     parser.add_argument("--quick", action="store_true", help="16 requests of 16-64 + 16-64 tokens")
     args = parser.parse_args(argv)

@@ -141,7 +141,7 @@ class EngineArgs:
         ModelConfig.compilation_level,
         "torch.compile of the model forward: 0 no compilation, 1 TorchDynamo as is, 2 "
         "TorchDynamo once (dynamic token count), 3 Inductor, attention left eager "
-        "(vLLM's PIECEWISE); classic engine only",
+        "(vLLM's PIECEWISE); one worker only",
         choices=[0, 1, 2, 3],
     )
     enforce_eager: bool = _option(
@@ -257,24 +257,17 @@ class EngineArgs:
             self.tensor_parallel_size, self.distributed_executor_backend
         )
         model_config.verify_with_parallel_config(parallel_config)
-        self._check_compilation(model_config, parallel_config, use_v1)
+        self._check_compilation(model_config, parallel_config)
         return EngineConfig(
             model_config, cache_config, scheduler_config, device_config, parallel_config, use_v1
         )
 
     @staticmethod
-    def _check_compilation(
-        model_config: ModelConfig, parallel_config: ParallelConfig, use_v1: bool
-    ) -> None:
+    def _check_compilation(model_config: ModelConfig, parallel_config: ParallelConfig) -> None:
         """Refuse, before any model loads, a compilation the engine would not do."""
         level = model_config.compilation_level
         if level == 0:
             return
-        if use_v1:
-            raise ValueError(
-                f"compilation_level={level} is implemented by the classic engine only; "
-                "minivllm's V1 engine runs eagerly (use compilation_level=0, or use_v1=False)"
-            )
         if parallel_config.tensor_parallel_size > 1:
             raise ValueError(
                 f"compilation_level={level} with tensor_parallel_size="

@@ -31,7 +31,7 @@ from minivllm.attention.backends.abstract import AttentionBackend
 from minivllm.attention.kv_cache import PAD_SLOT_ID
 from minivllm.attention.layer import attention_layers
 from minivllm.attention.selector import get_attn_backend
-from minivllm.compilation import CompilationLevel, set_forward_context
+from minivllm.compilation import model_forward, set_forward_context
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
 from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
 from minivllm.model_executor.layers.utils import packed_gemm_layers
@@ -226,13 +226,7 @@ class ModelRunner:
         self.model = get_model(self.model_config, self.device, self.attn_backend)
         self.attn_layers = attention_layers(self.model)
         self.packed_layers = packed_gemm_layers(self.model)
-        self.model_forward = self.model
-        level = self.model_config.compilation_level
-        if level > CompilationLevel.NO_COMPILATION:
-            # Imported here: it loads TorchDynamo, which an eager engine never needs.
-            from minivllm.compilation.wrapper import CompiledModel
-
-            self.model_forward = CompiledModel(self.model, level)
+        self.model_forward = model_forward(self.model, self.model_config.compilation_level)
 
     def prepare_model_input(
         self,

@@ -23,14 +23,18 @@ rows of the persistent batch to match, as vLLM's `reorder_batch` does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from minivllm.attention.layer import attention_layers
 from minivllm.attention.selector import get_attn_backend
+from minivllm.compilation import model_forward, set_forward_context
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
 from minivllm.model_executor.layers.sampler import Sampler, get_position_logprobs
+from minivllm.model_executor.layers.utils import packed_gemm_layers
 from minivllm.model_executor.model_loader import get_model
 from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
 from minivllm.sequence import SequenceData
@@ -87,6 +91,12 @@ class GPUModelRunner:
             block_size=self.block_size,
         )
         self.model: torch.nn.Module | None = None
+        # What runs the forward: the model itself, or its compiled form
+        # (compilation_level, as the classic runner), and what its opaque
+        # ops find in the forward context.
+        self.model_forward: Callable | None = None
+        self.attn_layers: list = []
+        self.packed_layers: list = []
         self.kv_caches: list[torch.Tensor] = []
         # The last step's model input (None: the model did not run), kept as
         # the classic worker keeps its FlatBatch: references, not copies.
@@ -94,6 +104,9 @@ class GPUModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device, self.attn_backend)
+        self.attn_layers = attention_layers(self.model)
+        self.packed_layers = packed_gemm_layers(self.model)
+        self.model_forward = model_forward(self.model, self.model_config.compilation_level)
 
     def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -240,7 +253,10 @@ class GPUModelRunner:
         input_ids, positions, attn_metadata, logits_indices, sample_rows = self._prepare_inputs(
             scheduler_output
         )
-        hidden_states = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        with set_forward_context(
+            attn_metadata, self.kv_caches, self.attn_layers, self.packed_layers
+        ):
+            hidden_states = self.model_forward(input_ids, positions, self.kv_caches, attn_metadata)
         # [num_sample_rows, vocab_size]
         logits = self.model.compute_logits(hidden_states[torch.from_numpy(logits_indices)])
         if len(sample_rows):
