@@ -11,8 +11,15 @@ On a CPU (float32, 8 query heads, 2 KV heads, head size 64): the Numba kernel
 against the PyTorch reference, and its bandwidth as a fraction of this
 machine's read bandwidth, measured in the same run (tools/bench/machine.py).
 
+Each sequence's blocks are scattered over the pool, as a busy engine's are
+(`--block-order shuffled`, the default); `--block-order in-order` gives each
+sequence consecutive blocks, which shows what the scattering costs: a CPU's
+prefetchers follow a stream within a 4 KB page, and every jump to another
+block starts a new one.
+
     python -m tools.bench.attention                 # CPU, or GPU if there is one
     python -m tools.bench.attention --device cpu --json out.json
+    python -m tools.bench.attention --block-order in-order
 
 Every ratio is measured in the same run on the same inputs.
 """
@@ -37,16 +44,22 @@ from tools.bench.common import print_table
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40": 0.864e12}
 
 
-def make_inputs(batch, context, num_heads, num_kv_heads, head_size, block_size, dtype, device):
-    """A shuffled block pool holding every sequence's context, and its block tables."""
+def make_inputs(
+    batch, context, num_heads, num_kv_heads, head_size, block_size, dtype, device, shuffled=True
+):
+    """A block pool holding every sequence's context, and its block tables:
+    the blocks in a random order (`shuffled`), or each sequence's consecutive."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     gen = torch.Generator(device=device).manual_seed(0)
     kv_cache = torch.randn(
         2, num_blocks, block_size, num_kv_heads, head_size, generator=gen, device=device
     ).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen, device=device)
-    block_tables = perm.view(batch, blocks_per_seq)
+    if shuffled:
+        order = torch.randperm(num_blocks, generator=gen, device=device)
+    else:
+        order = torch.arange(num_blocks, device=device)
+    block_tables = order.view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int64, device=device)
     query = torch.randn(batch, num_heads, head_size, generator=gen, device=device).to(dtype)
     return query, kv_cache, block_tables, seq_lens
@@ -78,7 +91,7 @@ def time_it(fn: Callable[[], object], device: str, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_gpu(batches, contexts, repeats) -> list[dict]:
+def bench_gpu(batches, contexts, repeats, shuffled=True) -> list[dict]:
     from minivllm import _custom_ops as ops
 
     nh, nkv, hs, bs, dtype = 32, 8, 128, 16, torch.float16
@@ -88,7 +101,9 @@ def bench_gpu(batches, contexts, repeats) -> list[dict]:
     rows = []
     for batch in batches:
         for context in contexts:
-            q, kv, tables, lens = make_inputs(batch, context, nh, nkv, hs, bs, dtype, "cuda")
+            q, kv, tables, lens = make_inputs(
+                batch, context, nh, nkv, hs, bs, dtype, "cuda", shuffled
+            )
             out = torch.empty_like(q)
             args = (out, q, kv[0], kv[1], tables, lens, hs**-0.5, context)
             # The same K/V, contiguous per sequence: [batch, kv_heads, context, head_size].
@@ -122,7 +137,7 @@ def bench_gpu(batches, contexts, repeats) -> list[dict]:
     return rows
 
 
-def bench_cpu(batches, contexts, repeats) -> list[dict]:
+def bench_cpu(batches, contexts, repeats, shuffled=True) -> list[dict]:
     from minivllm.attention.backends.numba_paged import NumbaPagedAttention
 
     nh, nkv, hs, bs, dtype = 8, 2, 64, 16, torch.float32
@@ -132,7 +147,9 @@ def bench_cpu(batches, contexts, repeats) -> list[dict]:
     rows = []
     for batch in batches:
         for context in contexts:
-            q, kv, tables, lens = make_inputs(batch, context, nh, nkv, hs, bs, dtype, "cpu")
+            q, kv, tables, lens = make_inputs(
+                batch, context, nh, nkv, hs, bs, dtype, "cpu", shuffled
+            )
             args = (q, kv, tables, lens, context)
             t_ref = time_it(partial(ref.forward_decode, *args), "cpu", repeats)
             t_numba = time_it(partial(fast.forward_decode, *args), "cpu", repeats)
@@ -157,20 +174,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+")
     parser.add_argument("--contexts", type=int, nargs="+")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--block-order", choices=["shuffled", "in-order"], default="shuffled",
+        help="each sequence's blocks scattered over the pool, or consecutive",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    shuffled = args.block_order == "shuffled"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":
         batches = args.batches or [1, 8, 32, 64, 128, 256]
         contexts = args.contexts or [512, 1024, 2048, 4096, 8192]
-        rows = bench_gpu(batches, contexts, args.repeats or 20)
+        rows = bench_gpu(batches, contexts, args.repeats or 20, shuffled)
         machine = torch.cuda.get_device_name()
     else:
         batches = args.batches or [1, 8, 32]
         contexts = args.contexts or [256, 1024, 2048]
-        rows = bench_cpu(batches, contexts, args.repeats or 5)
+        rows = bench_cpu(batches, contexts, args.repeats or 5, shuffled)
         machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    print(f"decode attention on {machine}")
+    print(f"decode attention on {machine}, blocks {args.block_order}")
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
