@@ -1,8 +1,10 @@
 """The CPU's packed linear layers (model_executor/layers/utils.py): the
 oneDNN product by a weight packed once equals `F.linear`, the reference, to
-float32 rounding; a row's result does not depend on the rest of the batch;
-the loader packs every projection and the LM head of a float32 model on a
-CPU, and a compiled model multiplies by them through its opaque op."""
+float32 rounding; the few-row kernel (gemv_numba.py) gives oneDNN's bits, and
+a layer it does not match keeps oneDNN; a row's result does not depend on
+the rest of the batch; the loader packs every projection and the LM head of
+a float32 model on a CPU, and a compiled model multiplies by them through
+its opaque op."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from torch import nn
 
 from minivllm import LLM, SamplingParams
 from minivllm.compilation import CompilationLevel
+from minivllm.model_executor.layers import gemv_numba
+from minivllm.model_executor.layers.gemv_numba import GEMV_MAX_ROWS, block_weight, gemv
 from minivllm.model_executor.layers.linear import LinearBase
 from minivllm.model_executor.layers.utils import (
     dispatch_cpu_unquantized_gemm,
@@ -57,23 +61,91 @@ def test_the_packed_product_equals_f_linear(tokens, in_features, out_features, w
     )
 
 
-def test_a_row_alone_equals_the_row_in_any_batch():
+def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's packed product, called directly (never the few-row kernel)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# (in, out): in past one and two of oneDNN's 1024-long chunks; out not a
+# multiple of the kernel's 64 columns.
+GEMV_SHAPES = [(512, 1024), (1376, 512), (2100, 130), (64, 3)]
+
+
+@pytest.mark.parametrize("in_features, out_features", GEMV_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_few_row_kernel_gives_onednns_bits(in_features, out_features, with_bias):
+    """Bit for bit, for 1 to GEMV_MAX_ROWS rows: the kernel sums in oneDNN's
+    order (gemv_numba.py); F.linear, which sums in another, differs in the
+    last bits but not more."""
+    g = torch.Generator().manual_seed(in_features + out_features)
+    weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    blocked = block_weight(weight)
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=g)
+        got = gemv(x, blocked, bias, out_features)
+        assert torch.equal(got, onednn(x, weight, bias)), rows
+        torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_refuses_rows_it_would_read_past():
+    """Compiled code checks no bounds: a row of the wrong width or dtype is
+    refused before the kernel runs, naming what it got."""
+    blocked = block_weight(torch.randn(8, 64))
+    for x in (torch.randn(1, 65), torch.randn(1, 64, dtype=torch.float64), torch.randn(64)):
+        with pytest.raises(ValueError, match="gemv multiplies float32 rows of 64, got"):
+            gemv(x, blocked, None, 8)
+
+
+def test_a_layer_the_kernel_does_not_match_keeps_onednn(monkeypatch):
+    """A kernel that sums in another order than this oneDNN (here, chunks of
+    512 instead of 1024) fails the loader's check, and the layer multiplies
+    by oneDNN for every batch, so a row alone keeps its bits."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 1376, generator=g) * 0.05
+    x = torch.randn(1, 1376, generator=g)
+    assert layer_of(weight).gemv_weight is not None  # the right order passes
+    monkeypatch.setattr(gemv_numba, "ONEDNN_K_CHUNK", 512)
+    assert not torch.equal(gemv(x, block_weight(weight), None, 96), onednn(x, weight))
+    layer = layer_of(weight)
+    assert layer.packed_weight is not None and layer.gemv_weight is None
+    assert torch.equal(unquantized_gemm(layer, x), onednn(x, weight))
+
+
+@pytest.mark.parametrize("in_features", [512, 1376])
+def test_a_row_alone_equals_the_row_in_any_batch(in_features):
     """Bit for bit, whatever the batch size: the property seeded sampling's
-    batch invariance rests on (F.linear has it not: one row goes to gemv)."""
+    batch invariance rests on (F.linear has it not: one row goes to gemv).
+    Up to GEMV_MAX_ROWS rows the few-row kernel computes, above it oneDNN."""
     g = torch.Generator().manual_seed(0)
-    layer = layer_of(torch.randn(1024, 512, generator=g) * 0.05)
-    x = torch.randn(130, 512, generator=g)
+    layer = layer_of(torch.randn(1024, in_features, generator=g) * 0.05)
+    assert layer.gemv_weight is not None
+    x = torch.randn(130, in_features, generator=g)
     whole = unquantized_gemm(layer, x)
-    for size in (1, 2, 3, 8, 17, 64, 129):
+    for size in (1, 2, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 8, 17, 64, 129):
         assert torch.equal(unquantized_gemm(layer, x[:size]), whole[:size]), size
     alone = torch.cat([unquantized_gemm(layer, x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(alone, whole)
 
 
+def test_the_kernel_leaves_torchs_thread_count():
+    """Numba's pool sets the OpenMP thread count to its own size when it
+    starts; a process on 1 thread (a tensor-parallel rank's) must stay so."""
+    layer = layer_of(torch.randn(256, 128) * 0.05)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        unquantized_gemm(layer, torch.randn(1, 128))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_what_is_not_packed_keeps_f_linear():
     for weight in (torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.float64)):
         layer = layer_of(weight)
-        assert layer.packed_weight is None
+        assert layer.packed_weight is None and layer.gemv_weight is None
         x = torch.randn(3, 4, dtype=weight.dtype)
         assert torch.equal(unquantized_gemm(layer, x), F.linear(x, weight))
     plain = nn.Module()
@@ -83,12 +155,17 @@ def test_what_is_not_packed_keeps_f_linear():
 
 
 def packed_layers(llm: LLM) -> tuple[list[bool], bool]:
+    """Whether each linear layer, and the LM head, is packed and has the
+    few-row kernel's blocked weight."""
     model = llm.llm_engine.worker.model_runner.model
-    packed = [getattr(m, "packed_weight", None) is not None for m in model.modules()
-              if isinstance(m, LinearBase)]
+
+    def both(m: nn.Module) -> bool:
+        return all(getattr(m, name, None) is not None for name in ("packed_weight", "gemv_weight"))
+
+    packed = [both(m) for m in model.modules() if isinstance(m, LinearBase)]
     heads = [m.lm_head for m in model.modules() if hasattr(m, "lm_head")]
     assert len(heads) == 1  # the model's (a compiled model's too, inside its wrapper)
-    return packed, getattr(heads[0], "packed_weight", None) is not None
+    return packed, both(heads[0])
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

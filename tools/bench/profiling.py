@@ -48,6 +48,7 @@ LABELS = ("step", "schedule", "prepare_inputs", "model", "attention", "sampler",
 MATMUL_OPS = (
     "aten::linear", "aten::matmul", "aten::mm", "aten::addmm",
     "mkldnn::_linear_pointwise",  # a packed CPU weight (model_executor/layers/utils.py)
+    "minivllm::gemv",  # the few-row kernel's region (model_executor/layers/gemv_numba.py)
 )
 
 

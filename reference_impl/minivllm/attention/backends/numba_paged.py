@@ -13,6 +13,7 @@ import torch
 from minivllm.attention.backends.abstract import AttentionImpl
 from minivllm.attention.backends.torch_paged import TorchAttentionBackend, TorchPagedAttention
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
+from minivllm.utils import numba_threads
 
 # K/V rows a thread should have to itself before the kernel uses one more.
 # Starting a parallel region wakes the pool's sleeping threads (minivllm sets
@@ -26,7 +27,8 @@ MIN_ROWS_PER_THREAD = 3072
 
 def kernel_threads(rows: int, max_threads: int) -> int:
     """Threads for a kernel reading `rows` K/V rows: one per
-    MIN_ROWS_PER_THREAD, at least 1, at most torch's and Numba's counts."""
+    MIN_ROWS_PER_THREAD, at least 1, at most `max_threads` (torch's count:
+    see `numba_threads`) and Numba's pool."""
     return max(1, min(rows // MIN_ROWS_PER_THREAD, max_threads, numba.config.NUMBA_NUM_THREADS))
 
 
@@ -40,30 +42,18 @@ class NumbaPagedAttention(TorchPagedAttention):
         max_seq_len: int,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
         out = torch.empty_like(query)
-        # The kernel uses at most torch's threads: an executor that gives each
-        # tensor-parallel rank its share of the cores (torch.set_num_threads)
-        # then limits this kernel too, instead of every rank's threads
-        # spinning on all the cores (tp=2 on 2 cores: 2-3x slower steps);
-        # fewer for a small batch (kernel_threads).
-        threads = torch.get_num_threads()
         rows = int(seq_lens.sum()) * kv_cache.shape[3]  # K/V rows the kernel reads
-        numba.set_num_threads(kernel_threads(rows, threads))
-        # .numpy() shares memory with the CPU tensors: no copies.
-        paged_attention_decode(
-            out.numpy(),
-            query.contiguous().numpy(),
-            kv_cache[0].numpy(),
-            kv_cache[1].numpy(),
-            block_tables.numpy(),
-            seq_lens.numpy(),
-            self.scale,
-        )
-        # Numba's OpenMP pool, starting at its first kernel, sets the OpenMP
-        # thread count to its own size, and the call reaches torch's runtime
-        # too: a process given 1 thread (OMP_NUM_THREADS=1, one per
-        # tensor-parallel rank) would compute on 2 from then on.
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        with numba_threads(kernel_threads(rows, torch.get_num_threads())):
+            # .numpy() shares memory with the CPU tensors: no copies.
+            paged_attention_decode(
+                out.numpy(),
+                query.contiguous().numpy(),
+                kv_cache[0].numpy(),
+                kv_cache[1].numpy(),
+                block_tables.numpy(),
+                seq_lens.numpy(),
+                self.scale,
+            )
         return out
 
 

@@ -18,6 +18,11 @@ whatever the batch, where `F.linear` gives a token alone (gemv) other last
 bits than the same token in a batch (gemm). `F.linear` stays the reference
 (`tests/test_cpu_gemm.py` holds the two equal to rounding).
 
+For 1 to GEMV_MAX_ROWS rows (a decode step of a few sequences) a packed
+layer multiplies instead by our own kernel (gemv_numba.py), which reads the
+weights at the memory's speed, about twice oneDNN's there, and gives oneDNN's
+bits exactly, so the batch invariance holds across the switch.
+
 Packed only where it helps and can be used: a float32 weight on an x86 CPU
 with oneDNN. A compiled model multiplies by the same packed weights:
 TorchDynamo cannot trace an opaque oneDNN tensor, so the product is an op it
@@ -25,18 +30,21 @@ does not look into (`cpu_packed_linear`, as attention is `unified_attention`),
 and Inductor fuses the element-wise work between the products. The packed copy is a
 snapshot: a weight changed after loading must be packed again. The weight
 itself is kept (for the lessons, the tests and tensor-parallel checks that
-read it), so a packed layer holds its weights twice on the CPU.
+read it), so a packed layer holds its weights three times on the CPU: as
+stored, packed for oneDNN and blocked for the few-row kernel.
 """
 
 from __future__ import annotations
 
 import platform
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm.compilation.forward_context import get_forward_context
+from minivllm.model_executor.layers.gemv_numba import GEMV_MAX_ROWS, block_weight, gemv
 
 
 def supports_packed_cpu_gemm(weight: torch.Tensor) -> bool:
@@ -52,13 +60,45 @@ def supports_packed_cpu_gemm(weight: torch.Tensor) -> bool:
 
 def dispatch_cpu_unquantized_gemm(layer: nn.Module) -> None:
     """Pack `layer.weight` ([out, in]) for oneDNN, once, after loading; a
-    layer it does not suit keeps `F.linear` (packed_weight None)."""
+    layer it does not suit keeps `F.linear` (packed_weight None). A packed
+    layer also gets the weight blocked for the few-row kernel, if that
+    kernel gives oneDNN's bits for it (gemv_weight None if not)."""
     weight = layer.weight
     layer.packed_weight = (
         torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         if supports_packed_cpu_gemm(weight)
         else None
     )
+    layer.gemv_weight = None if layer.packed_weight is None else _checked_gemv_weight(layer)
+
+
+def _checked_gemv_weight(layer: nn.Module) -> np.ndarray | None:
+    """`layer.weight` blocked for `gemv`, or None if `gemv` does not give
+    the packed product's bits on a probe of GEMV_MAX_ROWS random rows (a
+    oneDNN that sums in another order than gemv_numba.py's)."""
+    out_features, in_features = layer.weight.shape
+    blocked = block_weight(layer.weight)
+    bias = getattr(layer, "bias", None)
+    bias = bias if isinstance(bias, torch.Tensor) else None
+    probe = torch.randn(GEMV_MAX_ROWS, in_features, generator=torch.Generator().manual_seed(0))
+    same = torch.equal(
+        gemv(probe, blocked, bias, out_features), _packed_product(probe, layer.packed_weight, bias)
+    )
+    return blocked if same else None
+
+
+def _packed_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _cpu_packed_gemm(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A packed layer's product: the few-row kernel for a few rows (same
+    bits, read at the memory's speed), oneDNN's for more."""
+    if layer.gemv_weight is not None and x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv(x, layer.gemv_weight, bias, layer.weight.shape[0])
+    return _packed_product(x, layer.packed_weight, bias)
 
 
 def unquantized_gemm(
@@ -77,10 +117,9 @@ def unquantized_gemm(
         if index is None:
             return F.linear(x, layer.weight, bias)
         return torch.ops.minivllm.cpu_packed_linear(x, layer.weight, bias, index)
-    packed = getattr(layer, "packed_weight", None)
-    if packed is None:
+    if getattr(layer, "packed_weight", None) is None:
         return F.linear(x, layer.weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _cpu_packed_gemm(layer, x, bias)
 
 
 def packed_gemm_layers(model: nn.Module) -> list[nn.Module]:
@@ -105,8 +144,7 @@ def cpu_packed_linear(
     the layer's number: the packed weight is found through the forward
     context, so a graph compiled for one engine runs with another engine's
     weights, as the attention op does."""
-    layer = get_forward_context().packed_layers[layer_index]
-    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+    return _cpu_packed_gemm(get_forward_context().packed_layers[layer_index], x, bias)
 
 
 @cpu_packed_linear.register_fake
