@@ -33,6 +33,7 @@ from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.attention.layer import Attention
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
 from minivllm.attention.selector import get_attn_backend
+from minivllm.utils import numba_threads
 from tests import nvrtc
 from tests.kernel_cases import lengths_around_blocks, make_decode_case
 
@@ -198,13 +199,26 @@ def test_the_numba_pool_leaves_torch_threads_as_they_were():
 
 
 def test_kernel_threads_by_hand():
-    """One thread per MIN_ROWS_PER_THREAD K/V rows, at least one, at most
-    torch's count (and Numba's pool)."""
+    """One thread per MIN_ROWS_PER_THREAD K/V rows, at least one."""
     n = MIN_ROWS_PER_THREAD
-    assert kernel_threads(0, 2) == kernel_threads(n - 1, 2) == 1
-    assert kernel_threads(2 * n, 2) == 2
-    assert kernel_threads(100 * n, 2) == 2 and kernel_threads(100 * n, 1) == 1
-    assert kernel_threads(100 * n, 10**6) == numba.config.NUMBA_NUM_THREADS
+    assert kernel_threads(0) == kernel_threads(n - 1) == 1
+    assert kernel_threads(2 * n) == 2 and kernel_threads(100 * n) == 100
+
+
+def test_numba_threads_takes_at_most_torchs_threads_and_numbas_pool():
+    """A kernel runs on what it asks, capped by torch's count (a tensor-parallel
+    rank's share) and Numba's pool; torch's count is left as it was."""
+    pool, threads = numba.config.NUMBA_NUM_THREADS, torch.get_num_threads()
+    try:
+        for torch_threads in (1, 2):
+            torch.set_num_threads(torch_threads)
+            cap = min(torch_threads, pool)
+            for asked, expected in ((None, cap), (1, 1), (10**6, cap)):
+                with numba_threads(asked):
+                    assert numba.get_num_threads() == expected, (torch_threads, asked)
+                assert torch.get_num_threads() == torch_threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")

@@ -20,6 +20,7 @@ from minivllm.model_executor.layers.gemv_numba import GEMV_MAX_ROWS, block_weigh
 from minivllm.model_executor.layers.linear import LinearBase
 from minivllm.model_executor.layers.utils import (
     dispatch_cpu_unquantized_gemm,
+    same_bits,
     supports_packed_cpu_gemm,
     unquantized_gemm,
 )
@@ -85,17 +86,29 @@ def test_the_few_row_kernel_gives_onednns_bits(in_features, out_features, with_b
     for rows in range(1, GEMV_MAX_ROWS + 1):
         x = torch.randn(rows, in_features, generator=g)
         got = gemv(x, blocked, bias, out_features)
-        assert torch.equal(got, onednn(x, weight, bias)), rows
+        assert same_bits(got, onednn(x, weight, bias)), rows
         torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_the_kernel_refuses_rows_it_would_read_past():
-    """Compiled code checks no bounds: a row of the wrong width or dtype is
-    refused before the kernel runs, naming what it got."""
+def test_the_kernel_refuses_what_it_would_read_past():
+    """Compiled code checks no bounds: a row of the wrong width or dtype, a
+    bias of the wrong length, or more outputs than the blocks hold is refused
+    before the kernel runs, naming what it got."""
     blocked = block_weight(torch.randn(8, 64))
-    for x in (torch.randn(1, 65), torch.randn(1, 64, dtype=torch.float64), torch.randn(64)):
+    x = torch.randn(1, 64)
+    for bad in (torch.randn(1, 65), torch.randn(1, 64, dtype=torch.float64), torch.randn(64)):
         with pytest.raises(ValueError, match="gemv multiplies float32 rows of 64, got"):
-            gemv(x, blocked, None, 8)
+            gemv(bad, blocked, None, 8)
+    for bias in (torch.randn(7), torch.randn(8, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"the bias must be float32 of shape \(8,\), got"):
+            gemv(x, blocked, bias, 8)
+    with pytest.raises(ValueError, match=r"out_features must be in \(0, 64\], got 65"):
+        gemv(x, blocked, None, 65)
+
+
+def test_same_bits_tells_negative_zero_from_zero():
+    assert same_bits(torch.tensor([0.0, 1.5]), torch.tensor([0.0, 1.5]))
+    assert not same_bits(torch.tensor([-0.0]), torch.tensor([0.0]))
 
 
 def test_a_layer_the_kernel_does_not_match_keeps_onednn(monkeypatch):
@@ -107,10 +120,10 @@ def test_a_layer_the_kernel_does_not_match_keeps_onednn(monkeypatch):
     x = torch.randn(1, 1376, generator=g)
     assert layer_of(weight).gemv_weight is not None  # the right order passes
     monkeypatch.setattr(gemv_numba, "ONEDNN_K_CHUNK", 512)
-    assert not torch.equal(gemv(x, block_weight(weight), None, 96), onednn(x, weight))
+    assert not same_bits(gemv(x, block_weight(weight), None, 96), onednn(x, weight))
     layer = layer_of(weight)
     assert layer.packed_weight is not None and layer.gemv_weight is None
-    assert torch.equal(unquantized_gemm(layer, x), onednn(x, weight))
+    assert same_bits(unquantized_gemm(layer, x), onednn(x, weight))
 
 
 @pytest.mark.parametrize("in_features", [512, 1376])
@@ -124,9 +137,9 @@ def test_a_row_alone_equals_the_row_in_any_batch(in_features):
     x = torch.randn(130, in_features, generator=g)
     whole = unquantized_gemm(layer, x)
     for size in (1, 2, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 8, 17, 64, 129):
-        assert torch.equal(unquantized_gemm(layer, x[:size]), whole[:size]), size
+        assert same_bits(unquantized_gemm(layer, x[:size]), whole[:size]), size
     alone = torch.cat([unquantized_gemm(layer, x[i : i + 1]) for i in range(len(x))])
-    assert torch.equal(alone, whole)
+    assert same_bits(alone, whole)
 
 
 def test_the_kernel_leaves_torchs_thread_count():

@@ -60,24 +60,26 @@ def gib(num_bytes: int) -> str:
 
 
 @contextmanager
-def numba_threads(num_threads: int) -> Iterator[None]:
-    """Run the Numba kernels called inside on at most `num_threads` threads
-    (and Numba's pool size), and leave torch's thread count as it was.
+def numba_threads(num_threads: int | None = None) -> Iterator[None]:
+    """Run the Numba kernels called inside on `num_threads` threads (default
+    and at most: torch's thread count, and Numba's pool size), and leave
+    torch's thread count as it was.
 
-    The kernels take at most torch's threads: an executor that gives each
-    tensor-parallel rank its share of the cores (torch.set_num_threads) then
-    limits them too, instead of every rank's threads spinning on all the
-    cores (tp=2 on 2 cores: 2-3x slower steps). And Numba's OpenMP pool,
-    starting at its first kernel, sets the OpenMP thread count to its own
-    size, a call that reaches torch's runtime too: a process given 1 thread
-    (OMP_NUM_THREADS=1, one per tensor-parallel rank) would compute on 2
-    from then on; the count is put back after.
+    At most torch's threads: an executor that gives each tensor-parallel rank
+    its share of the cores (torch.set_num_threads) then limits the kernels
+    too, instead of every rank's threads spinning on all the cores (tp=2 on
+    2 cores: 2-3x slower steps). And Numba's OpenMP pool, starting at its
+    first kernel, sets the OpenMP thread count to its own size, a call that
+    reaches torch's runtime too: a process given 1 thread (OMP_NUM_THREADS=1,
+    one per tensor-parallel rank) would compute on 2 from then on; the count
+    is put back after.
     """
     import numba  # here: the rest of this module needs neither
     import torch
 
     torch_threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(num_threads, numba.config.NUMBA_NUM_THREADS)))
+    allowed = min(torch_threads, numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(max(1, min(num_threads or allowed, allowed)))
     try:
         yield
     finally:

@@ -16,7 +16,7 @@ from minivllm.compilation.levels import CompilationLevel
 # OpenMP threads, which minivllm lets sleep between regions (envs.py), and
 # at batch 1 the step alternates them with Numba's pool (the few-row
 # matmuls, the attention kernel): side by side, 1-token steps ran 0.76-0.86x
-# eager with parallel kernels and 1.04-1.11x with serial ones; the throughput
+# eager with parallel kernels and 1.02-1.11x with serial ones; the throughput
 # workload ran as fast either way (the element-wise work between the
 # products is small at any batch). Eager torch runs such small operators on
 # one thread too (below its grain size).

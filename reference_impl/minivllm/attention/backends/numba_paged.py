@@ -7,7 +7,6 @@ blocks instead of gathering a padded copy first.
 
 from __future__ import annotations
 
-import numba
 import torch
 
 from minivllm.attention.backends.abstract import AttentionImpl
@@ -25,11 +24,11 @@ from minivllm.utils import numba_threads
 MIN_ROWS_PER_THREAD = 3072
 
 
-def kernel_threads(rows: int, max_threads: int) -> int:
+def kernel_threads(rows: int) -> int:
     """Threads for a kernel reading `rows` K/V rows: one per
-    MIN_ROWS_PER_THREAD, at least 1, at most `max_threads` (torch's count:
-    see `numba_threads`) and Numba's pool."""
-    return max(1, min(rows // MIN_ROWS_PER_THREAD, max_threads, numba.config.NUMBA_NUM_THREADS))
+    MIN_ROWS_PER_THREAD, at least 1 (`numba_threads` caps them at torch's
+    count and Numba's pool)."""
+    return max(1, rows // MIN_ROWS_PER_THREAD)
 
 
 class NumbaPagedAttention(TorchPagedAttention):
@@ -43,7 +42,7 @@ class NumbaPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_size]
         out = torch.empty_like(query)
         rows = int(seq_lens.sum()) * kv_cache.shape[3]  # K/V rows the kernel reads
-        with numba_threads(kernel_threads(rows, torch.get_num_threads())):
+        with numba_threads(kernel_threads(rows)):
             # .numpy() shares memory with the CPU tensors: no copies.
             paged_attention_decode(
                 out.numpy(),

@@ -25,6 +25,8 @@ keeps oneDNN for every batch.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numba
 import numpy as np
 import torch
@@ -32,7 +34,7 @@ import torch
 from minivllm.utils import numba_threads
 
 # Rows up to which the kernel beats oneDNN's packed product: measured on the
-# 20M benchmark Llama's 28 projections, 2 threads, cold weights: 1.9x at 1
+# 20M benchmark Llama's 28 projections in turn (81 MB), 2 threads: 1.9x at 1
 # row, 1.6x at 2, 1.4x at 4, 0.9x at 8 (it reads the weights once, but its
 # sums per row take more instructions than oneDNN's register tiles).
 GEMV_MAX_ROWS = 4
@@ -40,6 +42,7 @@ GEMV_MAX_ROWS = 4
 GEMV_BLOCK = 64
 # oneDNN's packed product sums the input dimension in chunks this long.
 ONEDNN_K_CHUNK = 1024
+_NO_BIAS = np.empty(0, dtype=np.float32)  # the kernel's "no bias": a bias of length 0
 
 
 def block_weight(weight: torch.Tensor) -> np.ndarray:  # [cdiv(out, GEMV_BLOCK), in, GEMV_BLOCK]
@@ -57,31 +60,19 @@ def block_weight(weight: torch.Tensor) -> np.ndarray:  # [cdiv(out, GEMV_BLOCK),
 def gemv(
     x: torch.Tensor,  # [num_rows <= GEMV_MAX_ROWS, in], float32
     blocked: np.ndarray,  # [cdiv(out, GEMV_BLOCK), in, GEMV_BLOCK], from block_weight
-    bias: torch.Tensor | None,  # [out]
+    bias: torch.Tensor | None,  # [out], float32
     out_features: int,
 ) -> torch.Tensor:  # [num_rows, out]
     """x @ weight.T + bias with oneDNN's bits."""
-    # Compiled code checks no bounds: a row of another width would read past
-    # the weight. (The bias is the layer's own, of its output size.)
-    if x.dim() != 2 or x.shape[1] != blocked.shape[1] or x.dtype != torch.float32:
-        raise ValueError(
-            f"gemv multiplies float32 rows of {blocked.shape[1]}, got {x.dtype} {tuple(x.shape)}"
-        )
+    _check_args(x, blocked, bias, out_features)
     # The profiler sees no Numba code: a profile gets the call as a region of
-    # its own, which tools/bench/profiling.py counts as a matmul, as it does
-    # oneDNN's. Only when profiling: a region costs about 12 us, as much as
-    # the call itself.
-    if torch._C._autograd._profiler_enabled():
-        with torch.profiler.record_function("minivllm::gemv"):
-            return _call_gemv(x, blocked, bias, out_features)
-    return _call_gemv(x, blocked, bias, out_features)
-
-
-def _call_gemv(
-    x: torch.Tensor, blocked: np.ndarray, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    with numba_threads(torch.get_num_threads()):
+    # its own, which tools/bench/profiling.py counts as a matmul (with the
+    # output's allocation, as oneDNN's). Only when profiling: a region costs
+    # about 12 us, as much as the call itself.
+    profiling = torch._C._autograd._profiler_enabled()
+    region = torch.profiler.record_function("minivllm::gemv") if profiling else nullcontext()
+    with region, numba_threads():
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
         _gemv(
             x.contiguous().numpy(),  # .numpy() shares memory with the tensor: no copies
             blocked,
@@ -92,7 +83,25 @@ def _call_gemv(
     return out
 
 
-_NO_BIAS = np.empty(0, dtype=np.float32)
+def _check_args(
+    x: torch.Tensor, blocked: np.ndarray, bias: torch.Tensor | None, out_features: int
+) -> None:
+    """Compiled code checks no bounds: a row of another width, a bias of
+    another length or more outputs than the blocks hold would read past an
+    array. (A layer's own arguments always fit.)"""
+    in_features, width = blocked.shape[1], blocked.shape[0] * GEMV_BLOCK
+    if x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.float32:
+        raise ValueError(
+            f"gemv multiplies float32 rows of {in_features}, got {x.dtype} {tuple(x.shape)}"
+        )
+    if not width - GEMV_BLOCK < out_features <= width:
+        low = width - GEMV_BLOCK
+        raise ValueError(f"out_features must be in ({low}, {width}], got {out_features}")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32):
+        raise ValueError(
+            f"the bias must be float32 of shape ({out_features},), "
+            f"got {bias.dtype} {tuple(bias.shape)}"
+        )
 
 
 @numba.njit(parallel=True, cache=True, fastmath={"contract"})

@@ -73,18 +73,28 @@ def dispatch_cpu_unquantized_gemm(layer: nn.Module) -> None:
 
 
 def _checked_gemv_weight(layer: nn.Module) -> np.ndarray | None:
-    """`layer.weight` blocked for `gemv`, or None if `gemv` does not give
-    the packed product's bits on a probe of GEMV_MAX_ROWS random rows (a
-    oneDNN that sums in another order than gemv_numba.py's)."""
+    """`layer.weight` blocked for `gemv`, or None if `gemv` does not give the
+    packed product's bits on a probe of GEMV_MAX_ROWS random rows, with the
+    layer's bias and without (a row-parallel rank past the first, or
+    skip_bias_add, multiplies without it, and adding a bias can round a
+    last-bit difference away). None means a oneDNN that sums in another
+    order than gemv_numba.py's: at 1 and 2 threads on our CPUs it does not."""
     out_features, in_features = layer.weight.shape
     blocked = block_weight(layer.weight)
+    g = torch.Generator().manual_seed(0)
+    probe = torch.randn(GEMV_MAX_ROWS, in_features, generator=g, dtype=torch.float32)
     bias = getattr(layer, "bias", None)
-    bias = bias if isinstance(bias, torch.Tensor) else None
-    probe = torch.randn(GEMV_MAX_ROWS, in_features, generator=torch.Generator().manual_seed(0))
-    same = torch.equal(
-        gemv(probe, blocked, bias, out_features), _packed_product(probe, layer.packed_weight, bias)
-    )
-    return blocked if same else None
+    biases = [None] + ([bias.detach()] if isinstance(bias, torch.Tensor) else [])
+    for b in biases:
+        ours = gemv(probe, blocked, b, out_features)
+        if not same_bits(ours, _packed_product(probe, layer.packed_weight, b)):
+            return None
+    return blocked
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, float32: torch.equal would take -0.0 for 0.0."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def _packed_product(
@@ -96,7 +106,7 @@ def _packed_product(
 def _cpu_packed_gemm(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A packed layer's product: the few-row kernel for a few rows (same
     bits, read at the memory's speed), oneDNN's for more."""
-    if layer.gemv_weight is not None and x.shape[0] <= GEMV_MAX_ROWS:
+    if getattr(layer, "gemv_weight", None) is not None and x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, layer.gemv_weight, bias, layer.weight.shape[0])
     return _packed_product(x, layer.packed_weight, bias)
 
