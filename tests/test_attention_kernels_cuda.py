@@ -157,10 +157,12 @@ def test_engine_cuda_backend_matches_torch_backend(device, chunked, tmp_path):
     pair = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
     results = {}
     for backend in ("torch", "cuda"):
+        # A fixed cache: by gpu_memory_utilization the first engine, still
+        # alive while the second is made, would leave it none.
         llm = LLM(
             model, device=device, dtype="float32", attention_backend=backend, block_size=16,
             enable_chunked_prefill=chunked, max_num_batched_tokens=32 if chunked else None,
-            max_num_seqs=8,
+            max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
         )
         outs = llm.generate(prompts + prompts[1:2], [greedy] * 3 + [pair], use_tqdm=False)
         results[backend] = [[c.token_ids for c in o.outputs] for o in outs]

@@ -47,7 +47,8 @@ def test_every_option_is_a_flag_of_its_type():
         "--scheduler-cls", "tests.engine_spies.RecordingScheduler", "--no-disable-log-stats",
         "--tokenizer", "/tok", "--trust-remote-code", "--block-manager-cls", "a.B",
         "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
-        "--no-enforce-eager", "--use-v1", "--compilation-level", "3",
+        "--enforce-eager", "--max-seq-len-to-capture", "512", "--use-v1",
+        "--compilation-level", "3",
     ]
     args = EngineArgs.from_cli_args(parser().parse_args(argv))
     given = {a.lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a[:2] == "--"}
@@ -60,8 +61,8 @@ def test_every_option_is_a_flag_of_its_type():
         max_num_batched_tokens=64, preemption_mode="swap", enable_chunked_prefill=True,
         scheduling_policy="priority", scheduler_cls="tests.engine_spies.RecordingScheduler",
         block_manager_cls="a.B", disable_log_stats=False, tensor_parallel_size=2,
-        distributed_executor_backend="ray", enforce_eager=False, use_v1=True,
-        compilation_level=3,
+        distributed_executor_backend="ray", enforce_eager=True, max_seq_len_to_capture=512,
+        use_v1=True, compilation_level=3,
     )
 
 

@@ -328,6 +328,7 @@ def test_priority_must_be_an_int(tiny_model_dir):
         ({"block_size": 16.0}, "16.0"),
         ({"block_size": True}, "True"),
         ({"num_gpu_blocks_override": 1.5}, "1.5"),
+        ({"max_seq_len_to_capture": 8192.0}, "8192.0"),
         ({"kv_cache_memory_bytes": 1e9}, "1000000000.0"),
         ({"kv_cache_memory_bytes": "1GB"}, "'1GB'"),
         ({"swap_space": "4"}, "'4'"),
@@ -368,6 +369,7 @@ def test_engine_options_refuse_wrong_types(tiny_model_dir, kwargs, shown):
         ({"kv_cache_memory_bytes": 0}, ["kv_cache_memory_bytes", "0"]),
         ({"max_num_batched_tokens": 0}, ["max_num_batched_tokens", "0"]),
         ({"max_model_len": 0}, ["max_model_len", "0"]),
+        ({"max_seq_len_to_capture": 0}, ["max_seq_len_to_capture", "0"]),
         # Pools larger than this machine: torch failed to allocate them, or
         # the block manager listed 2**50 free blocks.
         ({"swap_space": 1e9}, ["swap_space=1000000000.0 GiB", "memory"]),

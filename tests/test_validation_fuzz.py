@@ -112,6 +112,7 @@ ENGINE_FIELDS = {
     "disable_log_stats": st.booleans(),
     "tensor_parallel_size": st.just(1),
     "enforce_eager": st.booleans(),
+    "max_seq_len_to_capture": st.integers(1, 10_000),
     "compilation_level": st.just(0),  # compiling takes seconds: its checks are fuzzed as junk
     "seed": st.integers(-(2**63), 2**64 - 1),
     "max_model_len": st.one_of(st.none(), st.integers(1, 512)),

@@ -118,9 +118,11 @@ class ModelConfig:
     `compilation_level` (0-3, `CompilationLevel`) selects `torch.compile` of
     the model forward (compilation/); vLLM keeps it in its CompilationConfig,
     here it rides with the model because the model runner receives only this
-    config, the cache's and the device's. `enforce_eager` is vLLM's switch
-    for CUDA graphs, which minivllm does not capture yet: both values run
-    without graphs.
+    config, the cache's and the device's. `enforce_eager=False` (vLLM's
+    default) captures CUDA graphs of the decode steps on a GPU
+    (worker/cuda_graph_runner.py) for contexts up to `max_seq_len_to_capture`
+    tokens (8192, or `max_model_len` if shorter); a longer context, a prefill
+    or a CPU runs eagerly.
     """
 
     model: str
@@ -136,8 +138,8 @@ class ModelConfig:
     # once the block size is known (attention/selector.py::get_attn_backend).
     attention_backend: str | type | None = None
     compilation_level: int = CompilationLevel.NO_COMPILATION
-    # True by default, unlike vLLM: without CUDA graphs, eager is what runs.
-    enforce_eager: bool = True
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
     hf_config: PretrainedConfig = field(init=False, repr=False)
     local_path: str = field(init=False)
 
@@ -157,6 +159,9 @@ class ModelConfig:
             allowed=f"one of {CompilationLevel.allowed()}",
         )
         check_bool("enforce_eager", self.enforce_eager)
+        self.max_seq_len_to_capture = check_int(
+            "max_seq_len_to_capture", self.max_seq_len_to_capture, low=1
+        )
         self.device = DeviceConfig(self.device).device  # "auto" resolved as the engine does
         self.seed = check_seed(self.seed)
         if self.max_model_len is not None:
@@ -184,6 +189,8 @@ class ModelConfig:
                 f"max_model_len must be between 1 and the model's context length "
                 f"{derived}, got {self.max_model_len}"
             )
+        # vLLM's rule: no graph is captured for contexts the model cannot hold.
+        self.max_seq_len_to_capture = min(self.max_seq_len_to_capture, self.max_model_len)
 
     @staticmethod
     def _dtype_allowed() -> str:

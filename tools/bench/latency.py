@@ -319,6 +319,7 @@ def run_single_request(
     device: str = "cpu",
     seed: int = 0,
     compilation_level: int = 0,
+    enforce_eager: bool = False,
 ) -> SingleRequest:
     """The engine and HF `generate` on one seeded request, after one warm-up
     each, `repeats` times each, interleaved. The read bandwidth is measured
@@ -327,7 +328,7 @@ def run_single_request(
     spell of a shared machine does not lower the floor."""
     llm = LLM(
         model_dir, max_model_len=prompt_len + output_len, device=device, seed=0, swap_space=0,
-        compilation_level=compilation_level,
+        compilation_level=compilation_level, enforce_eager=enforce_eager,
     )
     hf_dtype = llm.llm_engine.model_config.dtype
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype).to(device).eval()
@@ -448,6 +449,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compilation-level", type=int, default=0, help="the engine's, lone request (0: eager)"
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="the engine's, lone request: no CUDA graphs"
+    )
     parser.add_argument("--quick", action="store_true", help="12 requests, tiny model, 8 req/s")
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -467,6 +471,7 @@ def main(argv: list[str] | None = None) -> None:
             args.device,
             args.seed,
             args.compilation_level,
+            args.enforce_eager,
         )
     summaries = [run.summary() for run in runs]
     if runs:

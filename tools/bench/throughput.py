@@ -474,6 +474,7 @@ def run_throughput(
     hf_cb_batch_sizes: Sequence[int] = DEFAULT_HF_CB_BATCH_SIZES,
     extra_runs: bool = False,
     compilation_level: int = 0,
+    enforce_eager: bool = False,
 ) -> ThroughputResult:
     """Every run of the module docstring, side by side."""
     torch_dtype = getattr(torch, dtype)
@@ -483,23 +484,26 @@ def run_throughput(
     max_len = spec.max_model_len
     batch_kv, budget_kv = max_num_seqs * max_len, budget_seqs * max_len
 
-    def new_engine(use_v1: bool, kv_tokens: int) -> LLM:
+    def new_engine(use_v1: bool, kv_tokens: int, eager: bool = enforce_eager) -> LLM:
         llm = make_engine(
             model_dir, max_num_seqs, kv_tokens, max_len, use_v1, device=device, dtype=dtype,
-            compilation_level=compilation_level,
+            compilation_level=compilation_level, enforce_eager=eager,
         )
         warm_up(llm, hf, requests)
         if use_v1:  # the warm-up's prompts must not give V1 free prefix hits
             assert llm.llm_engine.reset_prefix_cache()
         return llm
 
-    def key_runs() -> tuple[KeyRuns, int]:
-        """The repeated runs, and the engine's tokens per step (HF gets the same)."""
+    def key_runs() -> tuple[KeyRuns, int, LLM]:
+        """The repeated runs, the engine's tokens per step (HF gets the same)
+        and the engine."""
         llm = new_engine(False, batch_kv)
         step_tokens = llm.llm_engine.scheduler_config.max_num_batched_tokens
         name = f"engine, batch {max_num_seqs}"
         if compilation_level:
             name += f", -O{compilation_level}"
+        if device == "cuda":
+            name += ", eager" if enforce_eager else ", CUDA graphs"
         key = run_key_runs(
             lambda: engine_run(llm, requests, name, max_num_seqs, batch_kv),
             lambda b: hf_continuous(hf, requests, b, batch_kv, step_tokens),
@@ -508,9 +512,9 @@ def run_throughput(
             hf_cb_batch_sizes,
             repeats,
         )
-        return key, step_tokens
+        return key, step_tokens, llm
 
-    key, step_tokens = key_runs()
+    key, step_tokens, llm = key_runs()
     ours = key.engine
     hf_single = hf_static(hf, requests[:single_requests], 1, max_len)
     runs = [ours, key.hf_cb_matched]
@@ -542,6 +546,25 @@ def run_throughput(
     }
     agree["engine_vs_hf_static_batch"] = agreement(ours.outputs, key.hf_static.outputs).summary()
     agree["engine_vs_hf_one_at_a_time"] = agreement(ours.outputs, hf_single.outputs).summary()
+
+    if device == "cuda" and not enforce_eager:
+        # What the graphs buy: the same engine without them, runs alternated.
+        eager_llm = new_engine(False, batch_kv, eager=True)
+        graphs, eager = (
+            engine_run(llm, requests, f"engine, batch {max_num_seqs}, CUDA graphs (pair)",
+                       max_num_seqs, batch_kv),
+            engine_run(eager_llm, requests, f"engine, batch {max_num_seqs}, eager",
+                       max_num_seqs, batch_kv),
+        )
+        for _ in range(repeats - 1):
+            add_repetition(graphs, engine_run(llm, requests, graphs.name, max_num_seqs, batch_kv))
+            add_repetition(
+                eager, engine_run(eager_llm, requests, eager.name, max_num_seqs, batch_kv)
+            )
+        runs += [graphs, eager]
+        ratios["cuda_graphs_over_eager"] = graphs.tokens_per_s / eager.tokens_per_s
+        paired["cuda_graphs_over_eager"] = paired_ratio(graphs, eager)
+        agree["engine_vs_engine_eager"] = agreement(ours.outputs, eager.outputs).summary()
 
     if extra_runs:
         budget_name = f"KV {budget_seqs}x{max_len}"
@@ -651,6 +674,7 @@ RATIO_LABELS = {
     "equal_kv_memory": "engine / HF static, equal KV memory",
     "v1_over_classic_equal_batch": "V1 / classic, equal batch",
     "v1_over_classic_equal_kv_memory": "V1 / classic, equal KV memory",
+    "cuda_graphs_over_eager": "engine with CUDA graphs / eager, runs alternated",
 }
 
 
@@ -744,6 +768,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compilation-level", type=int, default=0, help="the engines' (0: eager)"
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="the engines': no CUDA graphs on a GPU"
+    )
     parser.add_argument("--quick", action="store_true", help="16 requests of 16-64 + 16-64 tokens")
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -769,6 +796,7 @@ def main(argv: list[str] | None = None) -> None:
             args.hf_cb_batch_sizes,
             extra_runs,
             args.compilation_level,
+            args.enforce_eager,
         )
     print_result(result)
     out = write_result("throughput", result_payload(result), args.json)

@@ -146,8 +146,14 @@ class EngineArgs:
     )
     enforce_eager: bool = _option(
         ModelConfig.enforce_eager,
-        "vLLM's switch for CUDA graphs; minivllm captures none yet, so both values run "
-        "without them (compilation is compilation_level's)",
+        "no CUDA graphs: on a GPU, decode steps are otherwise replayed from graphs captured "
+        "per batch size (one worker, a backend that allows it; compilation is "
+        "compilation_level's)",
+    )
+    max_seq_len_to_capture: int = _option(
+        ModelConfig.max_seq_len_to_capture,
+        "longest context a CUDA graph covers (at most max_model_len); decodes of longer "
+        "contexts run eagerly",
     )
 
     @classmethod
@@ -234,6 +240,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             compilation_level=self.compilation_level,
             enforce_eager=self.enforce_eager,
+            max_seq_len_to_capture=self.max_seq_len_to_capture,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -95,7 +95,7 @@ class LLMEngine:
 
         self.model_executor = get_executor_class(engine_config)(
             self.model_config, self.cache_config, engine_config.parallel_config,
-            engine_config.device_config,
+            self.scheduler_config, engine_config.device_config,
         )
         num_gpu_blocks, num_cpu_blocks = self.model_executor.determine_num_available_blocks()
         self.model_executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)

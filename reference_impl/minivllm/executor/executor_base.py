@@ -10,7 +10,13 @@ business (vLLM's `vllm/executor/executor_base.py`).
 
 from __future__ import annotations
 
-from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig
+from minivllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.sequence import ExecuteModelRequest
 
@@ -21,11 +27,14 @@ class ExecutorBase:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         parallel_config: ParallelConfig,
+        scheduler_config: SchedulerConfig,
         device_config: DeviceConfig,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.parallel_config = parallel_config
+        # Its max_num_seqs bounds the batch sizes CUDA graphs are captured for.
+        self.scheduler_config = scheduler_config
         self.device_config = device_config
         self._init_executor()
 

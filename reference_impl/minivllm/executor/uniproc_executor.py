@@ -24,7 +24,7 @@ class UniProcExecutor(ExecutorBase):
     def _create_worker(self, rank: int, distributed_init_method: str | None = None) -> Worker:
         return Worker(
             self.model_config, self.cache_config, self.device_config, self.parallel_config,
-            rank, distributed_init_method,
+            rank, distributed_init_method, self.scheduler_config,
         )
 
     def determine_num_available_blocks(self) -> tuple[int, int]:

@@ -12,15 +12,18 @@ With `compilation_level` > 0 the model forward runs through `torch.compile`
 (compilation/wrapper.py::CompiledModel); each step then sets the forward
 context its attention op reads.
 
-CUDA graphs (vLLM's `CUDAGraphRunner`, `capture_model`) are not captured
-yet. Their input side is here: the captured batch sizes
-(`_BATCH_SIZES_TO_CAPTURE`, `_get_graph_batch_size`) and the padding of a
-decode batch up to one of them (`prepare_model_input(...,
-graph_batch_size=...)`, `FlatBatch.padded_to`), checked on a CPU.
+On a GPU, unless `enforce_eager`, `capture_model` records the forward of
+each decode batch size in `_BATCH_SIZES_TO_CAPTURE` (up to max_num_seqs,
+padded) as a CUDA graph (worker/cuda_graph_runner.py). A decode-only batch
+that one covers is padded up to its size (`FlatBatch.padded_to`) and replayed
+from it; any other step (a prefill in it, a context longer than
+`max_seq_len_to_capture`, more sequences) runs eagerly. vLLM v0.6 decides
+the same way (`_use_captured_graph`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +35,15 @@ from minivllm.attention.kv_cache import PAD_SLOT_ID
 from minivllm.attention.layer import attention_layers
 from minivllm.attention.selector import get_attn_backend
 from minivllm.compilation import model_forward, set_forward_context
-from minivllm.config import CacheConfig, DeviceConfig, ModelConfig
+from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
 from minivllm.model_executor.layers.sampler import Sampler, SamplerOutput
 from minivllm.model_executor.layers.utils import packed_gemm_layers
 from minivllm.model_executor.model_loader import get_model
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sequence import SequenceGroupMetadata
+from minivllm.worker.cuda_graph_runner import CUDAGraphRunner
+
+logger = logging.getLogger(__name__)
 
 # vLLM v0.6.3's decode batch sizes that CUDA graphs are captured for: 1, 2, 4,
 # then every multiple of 8 up to 256 (no more than max_num_seqs, padded).
@@ -200,11 +206,20 @@ class FlatBatch:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device_config: DeviceConfig,
+        scheduler_config: SchedulerConfig,
     ) -> None:
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.device = device_config.torch_device
+        # CUDA graphs: the largest decode batch and context one covers, and
+        # the captured graphs by batch size (none until capture_model).
+        self.max_batch_size_to_capture = _get_max_graph_batch_size(scheduler_config.max_num_seqs)
+        self.max_seq_len_to_capture = model_config.max_seq_len_to_capture
+        self.graph_runners: dict[int, CUDAGraphRunner] = {}
         self.sampler = Sampler(seed=model_config.seed)
         # Resolved once, as vLLM's model runner does: the layers build its
         # implementation, the cache engine uses its block copies, and its
@@ -233,11 +248,16 @@ class ModelRunner:
         seq_group_metadata_list: list[SequenceGroupMetadata],
         graph_batch_size: int | None = None,
     ) -> ModelInput:
-        """The step's tensors. With `graph_batch_size`, a decode batch is
-        padded with dummy rows up to that many (`FlatBatch.padded_to`), as a
-        captured graph needs; the sampler still reads only the real rows, and
-        `ModelInput.batch` is the real batch."""
+        """The step's tensors. A decode batch that a captured graph covers is
+        padded with dummy rows up to the graph's size (`FlatBatch.padded_to`)
+        and marked `use_cuda_graph`; `graph_batch_size` pads to that many
+        rows whether or not a graph exists (the padding's tests). The
+        sampler reads only the real rows, and `ModelInput.batch` is the real
+        batch."""
         batch = FlatBatch.build(seq_group_metadata_list, self.block_size)
+        use_cuda_graph = self._use_captured_graph(batch)
+        if use_cuda_graph and graph_batch_size is None:
+            graph_batch_size = _get_graph_batch_size(len(batch.seq_ids))
         rows = batch if graph_batch_size is None else batch.padded_to(graph_batch_size)
         max_blocks = max(len(t) for t in rows.block_tables)
         padded_tables = [t + [0] * (max_blocks - len(t)) for t in rows.block_tables]
@@ -255,6 +275,7 @@ class ModelRunner:
             query_start_loc=rows.query_start_loc,
             block_tables=as_tensor(padded_tables),
             seq_lens_tensor=as_tensor(rows.seq_lens),
+            use_cuda_graph=use_cuda_graph and graph_batch_size in self.graph_runners,
         )
         # The real rows only: the padding rows come after them and are never selected.
         sampling_metadata = SamplingMetadata.prepare(
@@ -269,17 +290,83 @@ class ModelRunner:
             sampling_metadata=sampling_metadata,
         )
 
+    def _use_captured_graph(self, batch: FlatBatch) -> bool:
+        """vLLM's rule: a graph runs a step of decodes only, of no more
+        sequences and no longer contexts than the graphs were captured for."""
+        return (
+            bool(self.graph_runners)
+            and batch.num_prefills == 0
+            and len(batch.seq_ids) <= self.max_batch_size_to_capture
+            and max(batch.seq_lens) <= self.max_seq_len_to_capture
+        )
+
+    @torch.inference_mode()
+    def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
+        """Capture one CUDA graph per decode batch size, largest first so the
+        smaller ones reuse its memory pool (vLLM's `capture_model`).
+
+        The dummy batch every graph records: token 0 at position 0 in each
+        row, slots PAD_SLOT_ID (nothing is written), contexts of 1 token in
+        block 0, all of it in buffers the replays copy the real steps into.
+        Nothing is captured on a CPU, nor for a backend whose attention
+        cannot be (`AttentionBackend.supports_cuda_graphs`)."""
+        if self.device.type != "cuda":
+            return
+        if not self.attn_backend.supports_cuda_graphs:
+            logger.info(
+                "attention backend %r cannot run in a CUDA graph: every step runs eagerly",
+                self.attn_backend.get_name(),
+            )
+            return
+        max_batch = self.max_batch_size_to_capture
+        max_blocks = -(-self.max_seq_len_to_capture // self.block_size)
+        on_device = dict(dtype=torch.long, device=self.device)
+        input_ids = torch.zeros(max_batch, **on_device)
+        positions = torch.zeros(max_batch, **on_device)
+        slot_mapping = torch.full((max_batch,), PAD_SLOT_ID, **on_device)
+        seq_lens = torch.ones(max_batch, **on_device)
+        block_tables = torch.zeros(max_batch, max_blocks, **on_device)
+        memory_pool = torch.cuda.graph_pool_handle()
+        sizes = [size for size in _BATCH_SIZES_TO_CAPTURE if size <= max_batch]
+        for batch_size in reversed(sizes):
+            attn_metadata = self.attn_backend.get_metadata_cls()(
+                num_prefills=0,
+                num_prefill_tokens=0,
+                num_decode_tokens=batch_size,
+                slot_mapping=slot_mapping[:batch_size],
+                seq_lens=[1] * batch_size,
+                context_lens=[0] * batch_size,
+                query_start_loc=[0],
+                block_tables=block_tables[:batch_size],
+                seq_lens_tensor=seq_lens[:batch_size],
+            )
+            # The kernels' launch is sized for the longest context a replay
+            # may bring, not for the dummy rows' 1 token.
+            attn_metadata.max_decode_seq_len = self.max_seq_len_to_capture
+            runner = CUDAGraphRunner(self.model_forward)
+            with set_forward_context(
+                attn_metadata, kv_caches, self.attn_layers, self.packed_layers
+            ):
+                runner.capture(
+                    input_ids[:batch_size], positions[:batch_size], kv_caches, attn_metadata,
+                    memory_pool,
+                )
+            self.graph_runners[batch_size] = runner
+
     @torch.inference_mode()
     def execute_model(
         self, model_input: ModelInput, kv_caches: list[torch.Tensor]
     ) -> SamplerOutput | None:
         """Run the model and sample; on the ranks other than the driver, run
         this rank's shard of the model and return None (the driver samples)."""
+        attn_metadata = model_input.attn_metadata
+        if attn_metadata.use_cuda_graph:
+            model_executable = self.graph_runners[model_input.input_ids.shape[0]]
+        else:
+            model_executable = self.model_forward
         # The context is read only by a compiled model's opaque ops.
-        with set_forward_context(
-            model_input.attn_metadata, kv_caches, self.attn_layers, self.packed_layers
-        ):
-            hidden_states = self.model_forward(
+        with set_forward_context(attn_metadata, kv_caches, self.attn_layers, self.packed_layers):
+            hidden_states = model_executable(
                 model_input.input_ids,
                 model_input.positions,
                 kv_caches,

@@ -23,6 +23,7 @@ from minivllm.config import (
     DeviceConfig,
     ModelConfig,
     ParallelConfig,
+    SchedulerConfig,
     default_cpu_kv_cache_bytes,
 )
 from minivllm.distributed import (
@@ -47,6 +48,7 @@ class Worker:
         parallel_config: ParallelConfig | None = None,
         rank: int = 0,
         distributed_init_method: str | None = None,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -55,7 +57,9 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.is_driver_worker = rank == 0
         self.device = device_config.torch_device
-        self.model_runner = ModelRunner(model_config, cache_config, device_config)
+        self.model_runner = ModelRunner(
+            model_config, cache_config, device_config, scheduler_config or SchedulerConfig()
+        )
         self.cache_engine: CacheEngine | None = None
         self.in_group = False  # whether this worker formed (or joins) the process's group
 
@@ -152,6 +156,15 @@ class Worker:
             self.cache_config, self.model_config, self.parallel_config, self.device,
             self.model_runner.attn_backend,
         )
+        self._warm_up_model()
+
+    def _warm_up_model(self) -> None:
+        """vLLM's step after allocating the cache: capture the decode steps'
+        CUDA graphs, which need the cache (its addresses are in them). Only
+        one worker alone: a graph of several ranks would hold their
+        collectives, which must then be captured in step on every rank."""
+        if not self.model_config.enforce_eager and self.parallel_config.world_size == 1:
+            self.model_runner.capture_model(self.gpu_cache)
 
     @property
     def gpu_cache(self) -> list[torch.Tensor]:

@@ -38,6 +38,8 @@ class AttentionMetadata:
     query_start_loc: [num_prefills + 1] row where each prefill's tokens start.
     block_tables: [num_seqs, max_blocks_per_seq] physical block numbers,
         padded with 0 (never read past a sequence's length).
+    use_cuda_graph: the step replays a captured CUDA graph (a padded decode
+        batch; worker/cuda_graph_runner.py).
     """
 
     num_prefills: int
@@ -49,6 +51,7 @@ class AttentionMetadata:
     query_start_loc: list[int]
     block_tables: torch.Tensor
     seq_lens_tensor: torch.Tensor
+    use_cuda_graph: bool = False
 
     @cached_property
     def max_decode_seq_len(self) -> int:
@@ -149,6 +152,11 @@ class AttentionBackend:
 
     All methods are static: a backend is a class, never instantiated.
     """
+
+    # Whether its attention can be recorded in a CUDA graph: nothing in it
+    # may read a GPU value on the host or size a tensor by one. (vLLM's V1
+    # says the same per backend with `AttentionCGSupport`.)
+    supports_cuda_graphs: bool = False
 
     @staticmethod
     def get_name() -> str:

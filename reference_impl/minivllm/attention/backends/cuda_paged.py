@@ -60,4 +60,8 @@ class CudaAttentionBackend(TorchAttentionBackend):
     def get_impl_cls() -> type[AttentionImpl]:
         return CudaPagedAttention
 
+    # Its kernels take every length from the GPU's tensors. (The torch
+    # backend's K/V write asks the GPU whether any slot is padding.)
+    supports_cuda_graphs = True
+
     copy_blocks = staticmethod(ops.copy_blocks)

@@ -23,7 +23,9 @@ class Worker(ClassicWorker):
         scheduler_config: SchedulerConfig,
         device_config: DeviceConfig,
     ) -> None:
-        super().__init__(model_config, cache_config, device_config)
+        super().__init__(
+            model_config, cache_config, device_config, scheduler_config=scheduler_config
+        )
         self.model_runner = GPUModelRunner(
             model_config, cache_config, scheduler_config, device_config
         )
@@ -35,6 +37,10 @@ class Worker(ClassicWorker):
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         super().initialize_cache(num_gpu_blocks, 0)
         self.model_runner.initialize_kv_cache(self.gpu_cache)
+
+    def _warm_up_model(self) -> None:
+        """No CUDA graphs in our V1 yet (vLLM's V1 captures them, whole or
+        piece by piece around attention): its steps all run eagerly."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,214 @@
+"""CUDA graphs of decode steps (worker/cuda_graph_runner.py, ModelRunner.capture_model).
+
+The oracle is the eager engine on the same checkpoint (`enforce_eager=True`).
+
+On a CPU nothing is captured, so these tests check the decisions around the
+graphs: which steps a graph runs (vLLM's `_use_captured_graph`), how many
+graphs and of which sizes, and that routing each such step through a graph
+runner, with its padded batch, leaves every token as it was. The runner there
+is a stand-in that runs the eager forward on the padded batch: what a replay
+computes.
+
+On a GPU (marker `cuda`) the graphs are real: the engine's tokens equal the
+eager engine's, and a replay equals the eager forward of the same padded
+batch bit for bit, cache writes included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.compilation import set_forward_context
+from minivllm.worker.model_runner import _BATCH_SIZES_TO_CAPTURE, _get_graph_batch_size
+from tests.hf_oracle import poison_kv_cache
+from tools.tiny_models import make_tiny_model
+
+# Six requests finishing one after another: decode batches of 6, 5, 4, 3, 2
+# and 1 sequences (padded to 8, 8, 4, 4, 2, 1). The 70-token prompt is longer
+# than the graphs' contexts in the tests that cap them at 64.
+PROMPT_LENS = [1, 17, 70, 5, 33, 9]
+MAX_TOKENS = [40, 30, 8, 20, 12, 6]
+
+
+def prompts() -> list[dict]:
+    return [
+        {"prompt_token_ids": [(5 * i + 11 * j) % 300 + 2 for j in range(n)]}
+        for i, n in enumerate(PROMPT_LENS)
+    ]
+
+
+def greedy() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+
+
+def runner_of(llm: LLM):
+    return llm.llm_engine.worker.model_runner
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+class EagerStandIn:
+    """A graph runner on a CPU: checks it gets a padded decode batch of its
+    size and runs the eager forward on it, recording (size, real rows)."""
+
+    def __init__(self, forward, size: int, calls: list[tuple[int, int]]) -> None:
+        self.forward, self.size, self.calls = forward, size, calls
+
+    def __call__(self, input_ids, positions, kv_caches, attn_metadata):
+        assert input_ids.shape == (self.size,) and attn_metadata.num_prefills == 0
+        real = int((attn_metadata.slot_mapping >= 0).sum())
+        self.calls.append((self.size, real))
+        return self.forward(input_ids, positions, kv_caches, attn_metadata)
+
+
+def install_stand_ins(llm: LLM) -> list[tuple[int, int]]:
+    runner, calls = runner_of(llm), []
+    sizes = [s for s in _BATCH_SIZES_TO_CAPTURE if s <= runner.max_batch_size_to_capture]
+    runner.graph_runners = {s: EagerStandIn(runner.model_forward, s, calls) for s in sizes}
+    return calls
+
+
+# -- on a CPU --------------------------------------------------------------------------------
+
+
+def test_nothing_is_captured_on_a_cpu(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), attention_backend="torch")
+    assert llm.llm_engine.model_config.enforce_eager is False  # vLLM's default
+    assert runner_of(llm).graph_runners == {}
+
+
+def test_graph_sizes_and_context_follow_the_options(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    for max_num_seqs, largest in ((1, 1), (3, 4), (6, 8), (100, 104), (1000, 256)):
+        llm = LLM(model, attention_backend="torch", max_num_seqs=max_num_seqs)
+        assert runner_of(llm).max_batch_size_to_capture == largest
+    # No graph covers a context the model cannot hold (vLLM caps it too).
+    llm = LLM(model, attention_backend="torch", max_model_len=64)
+    assert llm.llm_engine.model_config.max_seq_len_to_capture == 64
+    llm = LLM(model, attention_backend="torch", max_model_len=64, max_seq_len_to_capture=40)
+    assert runner_of(llm).max_seq_len_to_capture == 40
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_decode_steps_a_graph_covers_run_padded_through_it(tiny_model_dir, backend):
+    """Decode-only steps of no more than max_num_seqs (padded) sequences and
+    no context past max_seq_len_to_capture go through the graph of the next
+    captured size; the others (prefills, the 70-token prompt's steps) run
+    eagerly; and the tokens are the eager engine's."""
+    options = dict(
+        attention_backend=backend, max_num_seqs=8, max_seq_len_to_capture=64, block_size=16
+    )
+    eager = LLM(tiny_model_dir("llama"), enforce_eager=True, **options)
+    want = token_ids(eager.generate(prompts(), greedy(), use_tqdm=False))
+    llm = LLM(tiny_model_dir("llama"), **options)
+    calls = install_stand_ins(llm)
+    got = token_ids(llm.generate(prompts(), greedy(), use_tqdm=False))
+    assert got == want
+    assert calls, "no step went through a graph"
+    for size, real in calls:
+        assert size == _get_graph_batch_size(real)
+    # Steps with the 70-token prompt (6 sequences, then 5) exceed 64 tokens
+    # of context: none ran in a graph, though a graph of 8 exists.
+    assert {real for _, real in calls} == {4, 3, 2, 1}
+
+
+def test_enforce_eager_and_prefills_never_use_a_graph(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), attention_backend="torch", max_num_seqs=8)
+    runner = runner_of(llm)
+    install_stand_ins(llm)
+    engine = llm.llm_engine
+    engine.add_request("a", prompts()[1], greedy()[1])
+    meta, _ = engine.scheduler.schedule()
+    assert meta[0].is_prompt
+    model_input = runner.prepare_model_input(meta)
+    assert not model_input.attn_metadata.use_cuda_graph
+    assert model_input.input_ids.shape == (PROMPT_LENS[1],)
+    runner.graph_runners = {}  # as with enforce_eager: nothing captured
+    assert not runner._use_captured_graph(model_input.batch)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+
+def gpu_llm(model: str, dtype: str, **options) -> LLM:
+    return LLM(
+        model, device="cuda", dtype=dtype, attention_backend="cuda", block_size=16,
+        max_num_seqs=8, kv_cache_memory_bytes=64 << 20, swap_space=0.01, **options,
+    )
+
+
+def tiny_gpu_model(path) -> str:
+    """head_size 64 (a kernel size), GQA 4:2, random weights."""
+    return make_tiny_model(
+        "llama", str(path), hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=512,
+    )
+
+
+def count_replays(runner) -> list[int]:
+    """Wrap each graph so its replays are listed (by batch size)."""
+    replays: list[int] = []
+
+    def counted(size: int, graph):
+        def replay(*args):
+            replays.append(size)
+            return graph(*args)
+
+        return replay
+
+    runner.graph_runners = {s: counted(s, g) for s, g in runner.graph_runners.items()}
+    return replays
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_graphs_give_the_eager_engines_tokens(tmp_path, dtype):
+    model = tiny_gpu_model(tmp_path / "m")
+    seeded = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    results = {}
+    for enforce_eager in (True, False):
+        llm = gpu_llm(model, dtype, enforce_eager=enforce_eager, max_seq_len_to_capture=64)
+        runner = runner_of(llm)
+        assert sorted(runner.graph_runners) == ([] if enforce_eager else [1, 2, 4, 8])
+        replays = count_replays(runner)
+        results[enforce_eager] = (
+            token_ids(llm.generate(prompts(), greedy(), use_tqdm=False)),
+            token_ids(llm.generate(prompts()[:3], seeded, use_tqdm=False)),
+        )
+        assert enforce_eager or replays, "no step replayed a graph"
+    assert results[False] == results[True]
+
+
+@pytest.mark.cuda
+def test_a_replay_equals_the_eager_forward_of_its_padded_batch(tmp_path):
+    """Bit for bit, the hidden states of the real rows and the whole KV cache
+    (NaN-poisoned first, so a padding row writing or reading a stray slot
+    would show). One attention partition (max_seq_len_to_capture 512), so
+    the replay and the eager step launch the same kernel."""
+    llm = gpu_llm(tiny_gpu_model(tmp_path / "m"), "float32", max_seq_len_to_capture=512)
+    engine, runner = llm.llm_engine, runner_of(llm)
+    poison_kv_cache(llm)
+    for i in range(3):
+        engine.add_request(str(i), prompts()[i], greedy()[i])
+    engine.step()  # the prefills
+    meta, _ = engine.scheduler.schedule()
+    model_input = runner.prepare_model_input(meta)
+    assert model_input.attn_metadata.use_cuda_graph and model_input.input_ids.shape == (4,)
+
+    cache = engine.worker.gpu_cache
+    eager_cache = [layer.clone() for layer in cache]
+    args = (model_input.input_ids, model_input.positions)
+    with torch.inference_mode(), set_forward_context(
+        model_input.attn_metadata, eager_cache, runner.attn_layers, runner.packed_layers
+    ):
+        want = runner.model_forward(*args, eager_cache, model_input.attn_metadata)
+    with torch.inference_mode():
+        got = runner.graph_runners[4](*args, cache, model_input.attn_metadata).clone()
+    torch.cuda.synchronize()
+    assert torch.equal(got[:3], want[:3])
+    for layer, eager_layer in zip(cache, eager_cache, strict=True):
+        assert torch.equal(layer.view(torch.int32), eager_layer.view(torch.int32))

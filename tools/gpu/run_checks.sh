@@ -1,0 +1,49 @@
+#!/bin/bash
+# What needs a GPU, in one go: bash tools/gpu/run_checks.sh [SECTION...]
+#   kernels     the CUDA kernels against the PyTorch reference (tests marked cuda)
+#   tests       the engine on the GPU: CUDA graphs against eager, cuda against torch backend
+#   latency     one request, engine (CUDA graphs, then eager) against HF generate
+#   throughput  the benchmark workload in float16 against HF generate_batch and static
+# (default: all four). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
+# $THROUGHPUT_ARGS replaces the throughput run's --repeats 2.
+# Wheels in .whl/ are installed first, for a machine that reaches no package index.
+set -u
+OUT=${OUT:-/tmp/minivllm-gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/reference_impl:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, cupy
+print('torch', torch.__version__, '| transformers', transformers.__version__, '| cupy', cupy.__version__)"
+
+PYTEST=(python3 -m pytest -o addopts= -p no:cacheprovider -q -m cuda -W ignore::DeprecationWarning)
+section() { echo "== $1 ($(date +%T))"; }
+for name in "${@:-kernels tests latency throughput}"; do for s in $name; do
+    case $s in
+    kernels)  # in parallel: NVRTC compiles each instantiation once per process
+        section kernels
+        timeout 240 "${PYTEST[@]}" -n 8 -k "not engine" tests/test_attention_kernels_cuda.py \
+            2>&1 | tee "$OUT/kernels.log" | tail -4 ;;
+    tests)  # one engine at a time: each takes gpu_memory_utilization of the card
+        section tests
+        timeout 240 "${PYTEST[@]}" -k "engine or graph" tests/test_attention_kernels_cuda.py \
+            tests/test_cuda_graphs.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    latency)
+        section latency
+        for eager in "" --enforce-eager; do
+            timeout 150 python3 -m tools.bench.latency --single-only --device cuda $eager \
+                --json "$OUT/latency${eager:+_eager}.json" 2>&1 | tail -12
+        done ;;
+    throughput)
+        section throughput
+        timeout 400 python3 -m tools.bench.throughput --device cuda --dtype float16 \
+            ${THROUGHPUT_ARGS:---repeats 2} --no-plot --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | tail -45 ;;
+    *) echo "unknown section $s"; exit 2 ;;
+    esac
+done; done
+section done
