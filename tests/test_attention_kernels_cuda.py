@@ -15,6 +15,7 @@ The `device` fixture runs every test
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -61,12 +62,18 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def check(version: str, case, dtype) -> None:
+def check(version: str, case, dtype, launch=None) -> None:
+    """The kernel on `case` against the reference; `launch`, a case with the
+    same inputs but a wider block table, is what the kernel runs on, with
+    max_seq_len = the table's width (a CUDA graph's launch)."""
     out = torch.empty_like(case.query)
     kernel = ops.paged_attention_v1 if version == "v1" else ops.paged_attention_v2
     max_seq_len = int(case.seq_lens.max())
-    kv = case.kv_cache
-    kernel(out, case.query, kv[0], kv[1], case.block_tables, case.seq_lens, case.scale, max_seq_len)
+    run = case
+    if launch is not None:
+        run, max_seq_len = launch, launch.block_tables.shape[1] * launch.kv_cache.shape[2]
+    kv = run.kv_cache
+    kernel(out, run.query, kv[0], kv[1], run.block_tables, run.seq_lens, run.scale, max_seq_len)
     synchronize(out.device.type)
     assert not out.isnan().any(), "the kernel read a slot no sequence owns"
     # The reference computes in float32 from the same half-precision inputs.
@@ -104,6 +111,25 @@ def test_paged_attention_long_random_contexts(
         seq_lens, num_heads, num_kv_heads, 128, block_size, dtype, len(seq_lens), device
     )
     check(version, case, dtype)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@DTYPES
+def test_paged_attention_launched_for_a_longer_context(device, version, dtype):
+    """As a CUDA graph launches them (worker/cuda_graph_runner.py): sized for
+    2048 tokens of context (v2: 4 partitions), run on sequences of 1-700,
+    with a block table 2048 tokens wide whose columns past each sequence
+    hold stale block numbers. Partitions and blocks past a sequence's end
+    must be skipped."""
+    block_size = 16
+    case = make_decode_case(
+        lengths_around_blocks(block_size) + [700], 8, 2, 64, block_size, dtype, device=device
+    )
+    g = torch.Generator().manual_seed(7)
+    num_blocks = case.kv_cache.shape[1]
+    wide = torch.randint(0, num_blocks, (len(case.seq_lens), 2048 // block_size), generator=g)
+    wide[:, : case.block_tables.shape[1]] = case.block_tables.cpu()
+    check(version, case, dtype, launch=dataclasses.replace(case, block_tables=wide.to(device)))
 
 
 @DTYPES

@@ -5,9 +5,10 @@ The oracle is the eager engine on the same checkpoint (`enforce_eager=True`).
 On a CPU nothing is captured, so these tests check the decisions around the
 graphs: which steps a graph runs (vLLM's `_use_captured_graph`), how many
 graphs and of which sizes, and that routing each such step through a graph
-runner, with its padded batch, leaves every token as it was. The runner there
-is a stand-in that runs the eager forward on the padded batch: what a replay
-computes.
+runner, with its padded batch, leaves every token as it was. Once with a
+stand-in for the whole runner, and once with the real `capture_model` and
+`CUDAGraphRunner` over a stand-in for `torch.cuda.CUDAGraph` whose replay
+runs the recorded forward again on the same buffers: what a replay computes.
 
 On a GPU (marker `cuda`) the graphs are real: the engine's tokens equal the
 eager engine's, and a replay equals the eager forward of the same padded
@@ -16,10 +17,13 @@ batch bit for bit, cache writes included.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.attention.backends.torch_paged import TorchAttentionBackend
 from minivllm.compilation import set_forward_context
 from minivllm.worker.model_runner import _BATCH_SIZES_TO_CAPTURE, _get_graph_batch_size
 from tests.hf_oracle import poison_kv_cache
@@ -67,7 +71,7 @@ class EagerStandIn:
 
 def install_stand_ins(llm: LLM) -> list[tuple[int, int]]:
     runner, calls = runner_of(llm), []
-    sizes = [s for s in _BATCH_SIZES_TO_CAPTURE if s <= runner.max_batch_size_to_capture]
+    sizes = [s for s in _BATCH_SIZES_TO_CAPTURE if s <= runner.max_batchsize_to_capture]
     runner.graph_runners = {s: EagerStandIn(runner.model_forward, s, calls) for s in sizes}
     return calls
 
@@ -85,7 +89,7 @@ def test_graph_sizes_and_context_follow_the_options(tiny_model_dir):
     model = tiny_model_dir("llama")
     for max_num_seqs, largest in ((1, 1), (3, 4), (6, 8), (100, 104), (1000, 256)):
         llm = LLM(model, attention_backend="torch", max_num_seqs=max_num_seqs)
-        assert runner_of(llm).max_batch_size_to_capture == largest
+        assert runner_of(llm).max_batchsize_to_capture == largest
     # No graph covers a context the model cannot hold (vLLM caps it too).
     llm = LLM(model, attention_backend="torch", max_model_len=64)
     assert llm.llm_engine.model_config.max_seq_len_to_capture == 64
@@ -114,6 +118,71 @@ def test_decode_steps_a_graph_covers_run_padded_through_it(tiny_model_dir, backe
     # Steps with the 70-token prompt (6 sequences, then 5) exceed 64 tokens
     # of context: none ran in a graph, though a graph of 8 exists.
     assert {real for _, real in calls} == {4, 3, 2, 1}
+
+
+class ReplayEager:
+    """`torch.cuda.CUDAGraph` on a CPU. Inside `torch.cuda.graph(g)` the
+    forward marked by `record` is noted (with its arguments and output), and
+    `replay()` runs it again on the same tensors into the same output: what
+    replaying the recorded kernels computes."""
+
+    capturing: ReplayEager | None = None
+    replays = 0
+
+    def __init__(self) -> None:
+        self.call = None
+
+    def replay(self) -> None:
+        forward, args, output = self.call
+        output.copy_(forward(*args))
+        ReplayEager.replays += 1
+
+    @staticmethod
+    def record(forward):
+        def recorded(*args):
+            output = forward(*args)
+            if ReplayEager.capturing is not None:
+                ReplayEager.capturing.call = (forward, args, output)
+            return output
+
+        return recorded
+
+
+@contextlib.contextmanager
+def capturing(graph: ReplayEager, pool=None):
+    ReplayEager.capturing = graph
+    try:
+        yield
+    finally:
+        ReplayEager.capturing = None
+
+
+def test_captured_runners_replay_the_eager_forward(tiny_model_dir, monkeypatch):
+    """The real capture_model and CUDAGraphRunner, over ReplayEager: every
+    buffer a replay reads is filled from the step, even with stale block
+    numbers in the block-table columns past each sequence; the tokens are
+    the eager engine's."""
+    for name, fake in (("CUDAGraph", ReplayEager), ("graph", capturing),
+                       ("synchronize", lambda: None), ("graph_pool_handle", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    monkeypatch.setattr(TorchAttentionBackend, "supports_cuda_graphs", True)
+    options = dict(attention_backend="torch", max_num_seqs=8, max_seq_len_to_capture=64)
+    eager = LLM(tiny_model_dir("llama"), enforce_eager=True, **options)
+    want = token_ids(eager.generate(prompts(), greedy(), use_tqdm=False))
+
+    llm = LLM(tiny_model_dir("llama"), **options)
+    runner = runner_of(llm)
+    runner.model_forward = ReplayEager.record(runner.model_forward)
+    runner.capture_model(llm.llm_engine.worker.gpu_cache)
+    assert sorted(runner.graph_runners) == [1, 2, 4, 8]
+    tables = runner.graph_runners[8].input_buffers["block_tables"]  # shared by all sizes
+    assert tables.shape == (8, 64 // 16)
+    num_blocks = llm.llm_engine.cache_config.num_gpu_blocks
+    with torch.inference_mode():  # stale block numbers
+        tables.copy_(torch.randint(0, num_blocks, tables.shape))
+    ReplayEager.replays = 0
+    assert token_ids(llm.generate(prompts(), greedy(), use_tqdm=False)) == want
+    assert ReplayEager.replays == MAX_TOKENS[0] - MAX_TOKENS[2]  # the steps after the long prompt
 
 
 def test_enforce_eager_and_prefills_never_use_a_graph(tiny_model_dir):

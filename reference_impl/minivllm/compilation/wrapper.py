@@ -26,9 +26,10 @@ Three rules keep it from recompiling every step:
 
 vLLM's PIECEWISE level also *splits* the graph at the attention ops and
 compiles the pieces separately, so that each piece can be captured as a CUDA
-graph while attention runs between them. minivllm captures no CUDA graphs,
-so Inductor compiles the graph whole, with the attention op inside it as an
-opaque call: the same code runs, in one piece.
+graph while attention runs between them. minivllm captures the whole
+forward as one CUDA graph instead (worker/cuda_graph_runner.py; decode steps
+only, as vLLM v0.6), so Inductor compiles the graph whole, with the attention
+op inside it as an opaque call: the same code runs, in one piece.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ class ExecutorBase:
         self.model_config = model_config
         self.cache_config = cache_config
         self.parallel_config = parallel_config
-        # Its max_num_seqs bounds the batch sizes CUDA graphs are captured for.
+        # Its max_num_seqs bounds the batch sizes CUDA graphs are captured
+        # for: the driver's worker gets it (the ranks beyond capture none).
         self.scheduler_config = scheduler_config
         self.device_config = device_config
         self._init_executor()

@@ -57,7 +57,7 @@ class MultiprocessingExecutor(DistributedExecutor):
             ProcessWorkerWrapper(
                 context, self.result_handler, rank,
                 (self.model_config, self.cache_config, self.device_config,
-                 self.parallel_config, rank, init_method, self.scheduler_config),
+                 self.parallel_config, rank, init_method),
                 num_threads,
             )
             for rank in range(1, world_size)

@@ -45,7 +45,7 @@ class RayExecutor(DistributedExecutor):
                     ).remote(
                         rank,
                         (self.model_config, self.cache_config, self.device_config,
-                         self.parallel_config, rank, init_method, self.scheduler_config),
+                         self.parallel_config, rank, init_method),
                         ModelRegistry.registered(),
                     )
                 )

@@ -6,7 +6,8 @@ more than the GPU spends running it. A CUDA graph records the launches once;
 a replay issues the whole forward with one call.
 
 A replay repeats exactly what was recorded: the same kernels, launch sizes
-and addresses. So, as in vLLM v0.6's `CUDAGraphRunner`:
+and addresses. So, as in vLLM v0.6's `CUDAGraphRunner` (except the last
+point's detail):
 
 - there is one graph per captured batch size, and a decode batch is padded
   up to the next one (`FlatBatch.padded_to`; padding rows write nowhere);
@@ -18,6 +19,7 @@ and addresses. So, as in vLLM v0.6's `CUDAGraphRunner`:
   from `seq_lens` on the GPU and stop there, so shorter contexts are right;
 - the block-table buffer is as wide as that context; a step's narrower
   table fills its left columns, and the stale ones beyond are never read.
+  (vLLM builds each step's table at that full width on the host instead.)
 
 Only the model forward is captured; logits and sampling run eagerly on its
 output rows, as in vLLM.

@@ -24,6 +24,8 @@ the same way (`_use_captured_graph`).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +119,8 @@ class FlatBatch:
     `seq_lens` (tokens once this step is done), `context_lens` (tokens
     already in the cache) and block table. `ModelRunner` turns it into the
     model's tensors; the tracer records it as it is, so a trace shows exactly
-    what the model was given.
+    what the model was given (less the dummy rows `padded_to` adds for a
+    CUDA graph).
     """
 
     input_ids: list[int]
@@ -217,7 +220,7 @@ class ModelRunner:
         self.device = device_config.torch_device
         # CUDA graphs: the largest decode batch and context one covers, and
         # the captured graphs by batch size (none until capture_model).
-        self.max_batch_size_to_capture = _get_max_graph_batch_size(scheduler_config.max_num_seqs)
+        self.max_batchsize_to_capture = _get_max_graph_batch_size(scheduler_config.max_num_seqs)
         self.max_seq_len_to_capture = model_config.max_seq_len_to_capture
         self.graph_runners: dict[int, CUDAGraphRunner] = {}
         self.sampler = Sampler(seed=model_config.seed)
@@ -296,39 +299,60 @@ class ModelRunner:
         return (
             bool(self.graph_runners)
             and batch.num_prefills == 0
-            and len(batch.seq_ids) <= self.max_batch_size_to_capture
+            and len(batch.seq_ids) <= self.max_batchsize_to_capture
             and max(batch.seq_lens) <= self.max_seq_len_to_capture
         )
 
     @torch.inference_mode()
     def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
         """Capture one CUDA graph per decode batch size, largest first so the
-        smaller ones reuse its memory pool (vLLM's `capture_model`).
-
-        The dummy batch every graph records: token 0 at position 0 in each
-        row, slots PAD_SLOT_ID (nothing is written), contexts of 1 token in
-        block 0, all of it in buffers the replays copy the real steps into.
-        Nothing is captured on a CPU, nor for a backend whose attention
-        cannot be (`AttentionBackend.supports_cuda_graphs`)."""
-        if self.device.type != "cuda":
-            return
+        smaller ones reuse its memory pool (vLLM's `capture_model`; the
+        worker calls it on a GPU only). Nothing is captured for a backend
+        whose attention cannot be (`AttentionBackend.supports_cuda_graphs`)."""
         if not self.attn_backend.supports_cuda_graphs:
             logger.info(
                 "attention backend %r cannot run in a CUDA graph: every step runs eagerly",
                 self.attn_backend.get_name(),
             )
             return
-        max_batch = self.max_batch_size_to_capture
-        max_blocks = -(-self.max_seq_len_to_capture // self.block_size)
+        start = time.perf_counter()
+        max_batch = self.max_batchsize_to_capture
         on_device = dict(dtype=torch.long, device=self.device)
+        # The buffers every graph reads, sliced to its size: token 0 at
+        # position 0, slots PAD_SLOT_ID (nothing is written), contexts of 1
+        # token in block 0; each replay first copies the real step into them.
         input_ids = torch.zeros(max_batch, **on_device)
         positions = torch.zeros(max_batch, **on_device)
-        slot_mapping = torch.full((max_batch,), PAD_SLOT_ID, **on_device)
-        seq_lens = torch.ones(max_batch, **on_device)
-        block_tables = torch.zeros(max_batch, max_blocks, **on_device)
         memory_pool = torch.cuda.graph_pool_handle()
         sizes = [size for size in _BATCH_SIZES_TO_CAPTURE if size <= max_batch]
+        metadata = self._graph_capture_metadata(max_batch)
         for batch_size in reversed(sizes):
+            attn_metadata = metadata(batch_size)
+            runner = CUDAGraphRunner(self.model_forward)
+            with set_forward_context(
+                attn_metadata, kv_caches, self.attn_layers, self.packed_layers
+            ):
+                runner.capture(
+                    input_ids[:batch_size], positions[:batch_size], kv_caches, attn_metadata,
+                    memory_pool,
+                )
+            self.graph_runners[batch_size] = runner
+        logger.info(
+            "captured CUDA graphs for decode batches of %s sequences in %.1f s",
+            sizes, time.perf_counter() - start,
+        )
+
+    def _graph_capture_metadata(self, max_batch: int) -> Callable[[int], AttentionMetadata]:
+        """The dummy decode metadata of each captured size, its tensors
+        slices of buffers shared by every graph (vLLM's
+        `graph_capture_get_metadata_for_batch`)."""
+        on_device = dict(dtype=torch.long, device=self.device)
+        slot_mapping = torch.full((max_batch,), PAD_SLOT_ID, **on_device)
+        seq_lens = torch.ones(max_batch, **on_device)
+        max_blocks = -(-self.max_seq_len_to_capture // self.block_size)
+        block_tables = torch.zeros(max_batch, max_blocks, **on_device)
+
+        def for_batch(batch_size: int) -> AttentionMetadata:
             attn_metadata = self.attn_backend.get_metadata_cls()(
                 num_prefills=0,
                 num_prefill_tokens=0,
@@ -341,17 +365,11 @@ class ModelRunner:
                 seq_lens_tensor=seq_lens[:batch_size],
             )
             # The kernels' launch is sized for the longest context a replay
-            # may bring, not for the dummy rows' 1 token.
+            # may bring, not for the dummy rows' 1 token (the host list's).
             attn_metadata.max_decode_seq_len = self.max_seq_len_to_capture
-            runner = CUDAGraphRunner(self.model_forward)
-            with set_forward_context(
-                attn_metadata, kv_caches, self.attn_layers, self.packed_layers
-            ):
-                runner.capture(
-                    input_ids[:batch_size], positions[:batch_size], kv_caches, attn_metadata,
-                    memory_pool,
-                )
-            self.graph_runners[batch_size] = runner
+            return attn_metadata
+
+        return for_batch
 
     @torch.inference_mode()
     def execute_model(

@@ -101,7 +101,9 @@ class Worker:
             source = f"kv_cache_memory_bytes={show(budget)}"
         elif self.device.type == "cuda":
             # What is left of the allowed fraction after the weights; the
-            # activations of one step are small next to the cache here.
+            # activations of one step are small next to the cache here. The
+            # CUDA graphs' memory pool comes later, outside this budget (as in
+            # vLLM v0.6).
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * cfg.gpu_memory_utilization) - (total - free)
             source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
@@ -160,10 +162,16 @@ class Worker:
 
     def _warm_up_model(self) -> None:
         """vLLM's step after allocating the cache: capture the decode steps'
-        CUDA graphs, which need the cache (its addresses are in them). Only
-        one worker alone: a graph of several ranks would hold their
-        collectives, which must then be captured in step on every rank."""
-        if not self.model_config.enforce_eager and self.parallel_config.world_size == 1:
+        CUDA graphs, which need the cache (its addresses are in them). On a
+        GPU, and only one worker alone: a graph of several ranks would hold
+        their collectives, which must then be captured in step on every rank.
+        (vLLM then reseeds torch's global generators, which warm-up may have
+        drawn from; our sampler keeps a generator of its own.)"""
+        if (
+            self.device.type == "cuda"
+            and not self.model_config.enforce_eager
+            and self.parallel_config.world_size == 1
+        ):
             self.model_runner.capture_model(self.gpu_cache)
 
     @property

@@ -9,18 +9,20 @@ as [out / GEMV_BLOCK, in, GEMV_BLOCK]: work item b reads one contiguous slab,
 row k of it the GEMV_BLOCK weights that row k of the input multiplies, and
 keeps GEMV_BLOCK sums per input row.
 
-It gives oneDNN's bits, not just its values. The packed product computes
-each output from 0 by one fused multiply-add per input element, in order,
-in chunks of ONEDNN_K_CHUNK elements, then adds the chunks' sums in order,
-then the bias (found by experiment on oneDNN 3 in torch 2.13; nothing
-documents it). This kernel sums in exactly that order: `fastmath` allows
-only "contract", which fuses a * b + c into one FMA and reorders nothing.
-So a row gets the same bits from this kernel as from oneDNN in a batch of 64,
-and the packed product's batch invariance (a row's result does not depend
-on the rest of the batch) survives. In case another oneDNN or CPU sums in
-another order, the loader checks each layer against oneDNN
-(`dispatch_cpu_unquantized_gemm`), and a layer that differs by one bit
-keeps oneDNN for every batch.
+It gives oneDNN's bits, not just its values. For a batch of rows the packed
+product computes each output from 0 by one fused multiply-add per input
+element, in order, in chunks of ONEDNN_K_CHUNK elements, then adds the
+chunks' sums in order, then the bias (found by experiment on oneDNN 3 in
+torch 2.13, on an AMD EPYC and an Intel Xeon VM; nothing documents it).
+This kernel sums in exactly that order: `fastmath` allows only "contract",
+which fuses a * b + c into one FMA and reorders nothing. So a row gets the
+same bits from this kernel as in a oneDNN batch of 64, and a row's result
+does not depend on the rest of the batch. (oneDNN alone does not always
+give that: on the Intel VM it sums a single row in chunks of 512, so a row
+alone and the same row in a batch differed in the last bits.) In case
+another oneDNN or CPU sums batches in another order, the loader checks
+each layer against oneDNN (`dispatch_cpu_unquantized_gemm`), and a layer
+that differs by one bit keeps oneDNN for every batch.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from minivllm.utils import numba_threads
 GEMV_MAX_ROWS = 4
 # Output columns per work item: four 16-float AVX-512 vectors of sums.
 GEMV_BLOCK = 64
-# oneDNN's packed product sums the input dimension in chunks this long.
+# oneDNN's packed product sums the input dimension of a batch in chunks this long.
 ONEDNN_K_CHUNK = 1024
 _NO_BIAS = np.empty(0, dtype=np.float32)  # the kernel's "no bias": a bias of length 0
 

@@ -73,21 +73,25 @@ def dispatch_cpu_unquantized_gemm(layer: nn.Module) -> None:
 
 
 def _checked_gemv_weight(layer: nn.Module) -> np.ndarray | None:
-    """`layer.weight` blocked for `gemv`, or None if `gemv` does not give the
-    packed product's bits on a probe of GEMV_MAX_ROWS random rows, with the
+    """`layer.weight` blocked for `gemv`, or None if `gemv` does not give
+    GEMV_MAX_ROWS random rows the bits the packed product gives them in a
+    batch one row larger (the smallest that oneDNN multiplies), with the
     layer's bias and without (a row-parallel rank past the first, or
     skip_bias_add, multiplies without it, and adding a bias can round a
-    last-bit difference away). None means a oneDNN that sums in another
-    order than gemv_numba.py's: at 1 and 2 threads on our CPUs it does not."""
+    last-bit difference away). A batch, not the rows alone: on our Intel
+    VM oneDNN sums a single row in another order than a batch. None means a
+    oneDNN that sums batches in another order than gemv_numba.py's: at 1
+    and 2 threads on our CPUs it does not."""
     out_features, in_features = layer.weight.shape
     blocked = block_weight(layer.weight)
     g = torch.Generator().manual_seed(0)
-    probe = torch.randn(GEMV_MAX_ROWS, in_features, generator=g, dtype=torch.float32)
+    probe = torch.randn(GEMV_MAX_ROWS + 1, in_features, generator=g, dtype=torch.float32)
     bias = getattr(layer, "bias", None)
     biases = [None] + ([bias.detach()] if isinstance(bias, torch.Tensor) else [])
     for b in biases:
-        ours = gemv(probe, blocked, b, out_features)
-        if not same_bits(ours, _packed_product(probe, layer.packed_weight, b)):
+        ours = gemv(probe[:GEMV_MAX_ROWS], blocked, b, out_features)
+        batch = _packed_product(probe, layer.packed_weight, b)
+        if not same_bits(ours, batch[:GEMV_MAX_ROWS]):
             return None
     return blocked
 
