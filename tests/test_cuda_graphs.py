@@ -210,11 +210,11 @@ def gpu_llm(model: str, dtype: str, **options) -> LLM:
     )
 
 
-def tiny_gpu_model(path) -> str:
+def tiny_gpu_model(path, max_position_embeddings: int = 512) -> str:
     """head_size 64 (a kernel size), GQA 4:2, random weights."""
     return make_tiny_model(
         "llama", str(path), hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=512,
+        intermediate_size=512, max_position_embeddings=max_position_embeddings,
     )
 
 
@@ -234,13 +234,27 @@ def count_replays(runner) -> list[int]:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_graphs_give_the_eager_engines_tokens(tmp_path, dtype):
-    model = tiny_gpu_model(tmp_path / "m")
+@pytest.mark.parametrize(
+    ("dtype", "options", "positions"),
+    [
+        pytest.param("float32", {"max_seq_len_to_capture": 64}, 512, id="fp32"),
+        pytest.param("float16", {"max_seq_len_to_capture": 64}, 512, id="fp16"),
+        # vLLM's default cap (8192, here the model's 4096): the graphs launch
+        # paged_attention_v2 with 8 partitions, most of them past every context.
+        pytest.param("float32", {}, 4096, id="fp32-default-cap"),
+        # Graphs of the compiled forward, which vLLM captures too.
+        pytest.param(
+            "float32", {"max_seq_len_to_capture": 64, "compilation_level": 3}, 512,
+            id="fp32-compiled",
+        ),
+    ],
+)
+def test_graphs_give_the_eager_engines_tokens(tmp_path, dtype, options, positions):
+    model = tiny_gpu_model(tmp_path / "m", positions)
     seeded = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
     results = {}
     for enforce_eager in (True, False):
-        llm = gpu_llm(model, dtype, enforce_eager=enforce_eager, max_seq_len_to_capture=64)
+        llm = gpu_llm(model, dtype, enforce_eager=enforce_eager, **options)
         runner = runner_of(llm)
         assert sorted(runner.graph_runners) == ([] if enforce_eager else [1, 2, 4, 8])
         replays = count_replays(runner)
