@@ -16,10 +16,12 @@ from torch import nn
 from minivllm import LLM, SamplingParams
 from minivllm.compilation import CompilationLevel
 from minivllm.model_executor.layers import gemv_numba
+from minivllm.model_executor.layers import utils as gemm_utils
 from minivllm.model_executor.layers.gemv_numba import GEMV_MAX_ROWS, block_weight, gemv
 from minivllm.model_executor.layers.linear import LinearBase
 from minivllm.model_executor.layers.utils import (
     dispatch_cpu_unquantized_gemm,
+    few_row_kernel_pays,
     same_bits,
     supports_packed_cpu_gemm,
     unquantized_gemm,
@@ -28,6 +30,14 @@ from minivllm.model_executor.layers.utils import (
 pytestmark = pytest.mark.skipif(
     not supports_packed_cpu_gemm(torch.empty(1, 1)), reason="needs an x86 CPU with oneDNN"
 )
+
+
+@pytest.fixture(params=[True, False], ids=["kernel", "onednn"])
+def few_rows_by(request, monkeypatch):
+    """Each of the two ways a few rows are multiplied, whichever this
+    machine's timing picks: the few-row kernel, or oneDNN inside a batch."""
+    monkeypatch.setattr(gemm_utils, "few_row_kernel_pays", lambda: request.param)
+    return request.param
 
 
 def layer_of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
@@ -121,6 +131,7 @@ def test_a_layer_the_kernel_does_not_match_keeps_onednn(monkeypatch):
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(96, 1376, generator=g) * 0.05
     x = torch.randn(8, 1376, generator=g)
+    monkeypatch.setattr(gemm_utils, "few_row_kernel_pays", lambda: True)  # as if faster here
     assert layer_of(weight).gemv_weight is not None  # the right order passes
     monkeypatch.setattr(gemv_numba, "ONEDNN_K_CHUNK", 512)
     assert not same_bits(gemv(x[:1], block_weight(weight), None, 96), onednn(x, weight)[:1])
@@ -130,13 +141,14 @@ def test_a_layer_the_kernel_does_not_match_keeps_onednn(monkeypatch):
 
 
 @pytest.mark.parametrize("in_features", [512, 1376])
-def test_a_row_alone_equals_the_row_in_any_batch(in_features):
+def test_a_row_alone_equals_the_row_in_any_batch(in_features, few_rows_by):
     """Bit for bit, whatever the batch size: the property seeded sampling's
     batch invariance rests on (F.linear has it not: one row goes to gemv).
-    Up to GEMV_MAX_ROWS rows the few-row kernel computes, above it oneDNN."""
+    Up to GEMV_MAX_ROWS rows the few-row kernel or oneDNN inside a batch
+    computes, above it oneDNN."""
     g = torch.Generator().manual_seed(0)
     layer = layer_of(torch.randn(1024, in_features, generator=g) * 0.05)
-    assert layer.gemv_weight is not None
+    assert (layer.gemv_weight is not None) == few_rows_by
     x = torch.randn(130, in_features, generator=g)
     whole = unquantized_gemm(layer, x)
     for size in (1, 2, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 8, 17, 64, 129):
@@ -171,12 +183,13 @@ def test_what_is_not_packed_keeps_f_linear():
 
 
 def packed_layers(llm: LLM) -> tuple[list[bool], bool]:
-    """Whether each linear layer, and the LM head, is packed and has the
-    few-row kernel's blocked weight."""
+    """Whether each linear layer, and the LM head, is packed, with the
+    few-row kernel's blocked weight where this machine uses the kernel."""
     model = llm.llm_engine.worker.model_runner.model
 
     def both(m: nn.Module) -> bool:
-        return all(getattr(m, name, None) is not None for name in ("packed_weight", "gemv_weight"))
+        blocked = getattr(m, "gemv_weight", None) is not None
+        return getattr(m, "packed_weight", None) is not None and blocked == few_row_kernel_pays()
 
     packed = [both(m) for m in model.modules() if isinstance(m, LinearBase)]
     heads = [m.lm_head for m in model.modules() if hasattr(m, "lm_head")]

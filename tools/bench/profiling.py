@@ -49,6 +49,7 @@ MATMUL_OPS = (
     "aten::linear", "aten::matmul", "aten::mm", "aten::addmm",
     "mkldnn::_linear_pointwise",  # a packed CPU weight (model_executor/layers/utils.py)
     "minivllm::gemv",  # the few-row kernel's region (model_executor/layers/gemv_numba.py)
+    "minivllm::few_rows",  # oneDNN's product of a few rows in a batch (layers/utils.py)
 )
 
 

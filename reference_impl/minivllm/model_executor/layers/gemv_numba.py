@@ -68,12 +68,8 @@ def gemv(
     """x @ weight.T + bias with oneDNN's bits."""
     _check_args(x, blocked, bias, out_features)
     # The profiler sees no Numba code: a profile gets the call as a region of
-    # its own, which tools/bench/profiling.py counts as a matmul (with the
-    # output's allocation, as oneDNN's). Only when profiling: a region costs
-    # about 12 us, as much as the call itself.
-    profiling = torch._C._autograd._profiler_enabled()
-    region = torch.profiler.record_function("minivllm::gemv") if profiling else nullcontext()
-    with region, numba_threads():
+    # its own, counted as a matmul (with the output's allocation, as oneDNN's).
+    with matmul_region("minivllm::gemv"), numba_threads():
         out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
         _gemv(
             x.contiguous().numpy(),  # .numpy() shares memory with the tensor: no copies
@@ -83,6 +79,15 @@ def gemv(
             ONEDNN_K_CHUNK,
         )
     return out
+
+
+def matmul_region(name: str):
+    """A profiler region around a matrix product's own work, which
+    tools/bench/profiling.py counts as a matmul. Only while profiling: a
+    region costs about 12 us, as much as a few-row product itself."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return nullcontext()
 
 
 def _check_args(

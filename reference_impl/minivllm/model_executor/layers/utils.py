@@ -19,9 +19,12 @@ bits than the same token in a batch (gemm). `F.linear` stays the reference
 (`tests/test_cpu_gemm.py` holds the two equal to rounding).
 
 For 1 to GEMV_MAX_ROWS rows (a decode step of a few sequences) a packed
-layer multiplies instead by our own kernel (gemv_numba.py), which reads the
-weights at the memory's speed, about twice oneDNN's there, and gives oneDNN's
-bits exactly, so the batch invariance holds across the switch.
+layer multiplies instead by our own kernel (gemv_numba.py), which gives the
+bits oneDNN gives the same rows in a batch, so the batch invariance holds
+across the switch, and which reads the weights at the memory's speed: about
+twice oneDNN's on our AMD VM, but slower than oneDNN on our Intel VM. So the
+loader times both once per process (`few_row_kernel_pays`), and where oneDNN
+wins a few rows go to it inside a batch (`_few_rows_product`).
 
 Packed only where it helps and can be used: a float32 weight on an x86 CPU
 with oneDNN. A compiled model multiplies by the same packed weights:
@@ -36,7 +39,9 @@ stored, packed for oneDNN and blocked for the few-row kernel.
 
 from __future__ import annotations
 
+import functools
 import platform
+import time
 
 import numpy as np
 import torch
@@ -44,7 +49,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.compilation.forward_context import get_forward_context
-from minivllm.model_executor.layers.gemv_numba import GEMV_MAX_ROWS, block_weight, gemv
+from minivllm.model_executor.layers.gemv_numba import (
+    GEMV_MAX_ROWS,
+    block_weight,
+    gemv,
+    matmul_region,
+)
 
 
 def supports_packed_cpu_gemm(weight: torch.Tensor) -> bool:
@@ -69,7 +79,36 @@ def dispatch_cpu_unquantized_gemm(layer: nn.Module) -> None:
         if supports_packed_cpu_gemm(weight)
         else None
     )
-    layer.gemv_weight = None if layer.packed_weight is None else _checked_gemv_weight(layer)
+    use_gemv = layer.packed_weight is not None and few_row_kernel_pays()
+    layer.gemv_weight = _checked_gemv_weight(layer) if use_gemv else None
+
+
+@functools.cache
+def few_row_kernel_pays() -> bool:
+    """Whether the few-row kernel multiplies 1 and GEMV_MAX_ROWS rows faster
+    than oneDNN on this machine: timed once per process, on a 32 MB weight
+    (the bits are the same either way, so only speed rides on it). It
+    depends on the CPU: on our AMD EPYC VM the kernel was 1.9x faster at one
+    row and 1.4x at four; on our Intel Xeon VM (Sapphire Rapids) oneDNN was
+    1.07x faster at one row and 1.9x at four."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(4096, 2048, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    blocked = block_weight(weight)
+    xs = [torch.randn(rows, 2048, generator=g) for rows in (1, GEMV_MAX_ROWS)]
+
+    def best_of(product) -> float:
+        product()  # warm up (Numba's first call loads the compiled kernel)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            product()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    kernel = best_of(lambda: [gemv(x, blocked, None, 4096) for x in xs])
+    onednn = best_of(lambda: [_few_rows_product(x, packed, None) for x in xs])
+    return kernel < onednn
 
 
 def _checked_gemv_weight(layer: nn.Module) -> np.ndarray | None:
@@ -107,12 +146,28 @@ def _packed_product(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _few_rows_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """oneDNN's product of up to GEMV_MAX_ROWS rows, computed in a batch of
+    GEMV_MAX_ROWS + 1 (the rest zeros): on our Intel VM oneDNN sums a lone
+    row in another order than a batch (chunks of 512, not 1024), so a row
+    alone would get other last bits than the same row in a batch."""
+    with matmul_region("minivllm::few_rows"):
+        batch = x.new_zeros(GEMV_MAX_ROWS + 1, x.shape[1])
+        batch[: x.shape[0]] = x
+        return _packed_product(batch, packed, bias)[: x.shape[0]]
+
+
 def _cpu_packed_gemm(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A packed layer's product: the few-row kernel for a few rows (same
-    bits, read at the memory's speed), oneDNN's for more."""
-    if getattr(layer, "gemv_weight", None) is not None and x.shape[0] <= GEMV_MAX_ROWS:
+    """A packed layer's product. A few rows go to the few-row kernel where it
+    is faster (same bits, read at the memory's speed), else to oneDNN inside
+    a batch; more rows to oneDNN."""
+    if x.shape[0] > GEMV_MAX_ROWS:
+        return _packed_product(x, layer.packed_weight, bias)
+    if getattr(layer, "gemv_weight", None) is not None:
         return gemv(x, layer.gemv_weight, bias, layer.weight.shape[0])
-    return _packed_product(x, layer.packed_weight, bias)
+    return _few_rows_product(x, layer.packed_weight, bias)
 
 
 def unquantized_gemm(
