@@ -118,11 +118,11 @@ class ModelConfig:
     `compilation_level` (0-3, `CompilationLevel`) selects `torch.compile` of
     the model forward (compilation/); vLLM keeps it in its CompilationConfig,
     here it rides with the model because the model runner receives only this
-    config, the cache's, the device's and the scheduler's. `enforce_eager=False` (vLLM's
-    default) captures CUDA graphs of the decode steps on a GPU
-    (worker/cuda_graph_runner.py) for contexts up to `max_seq_len_to_capture`
-    tokens (8192, or `max_model_len` if shorter); a longer context, a prefill
-    or a CPU runs eagerly.
+    config, the cache's, the device's and the scheduler's.
+    `enforce_eager=False` (vLLM's default) captures CUDA graphs of the decode
+    steps on a GPU (worker/cuda_graph_runner.py) for contexts up to
+    `max_seq_len_to_capture` tokens (8192, or `max_model_len` if shorter); a
+    longer context, a prefill or a CPU runs eagerly.
     """
 
     model: str

@@ -130,8 +130,9 @@ def drain(llm: LLM) -> None:
 def torch_calls(events: list) -> list:
     """The operators Python code called: aten:: events not inside another
     aten:: event (on a GPU, each of these launches one kernel or more), nor
-    inside a matrix product: what oneDNN's product allocates, or the few-row
-    kernel's region around the arrays it hands to Numba, is the product's."""
+    inside a matrix product: what oneDNN's product allocates, or a few-row
+    product's region (the kernel's arrays, oneDNN's padded batch), is the
+    product's."""
     return [e for e in events if e.name.startswith("aten::")
             and not (e.cpu_parent is not None and (e.cpu_parent.name.startswith("aten::")
                                                    or e.cpu_parent.name in MATMUL_OPS))]

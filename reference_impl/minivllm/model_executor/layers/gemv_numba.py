@@ -4,10 +4,11 @@ A decode step of one sequence multiplies one row by every weight of the
 model: it must read every weight once and does two FLOPs per weight, so its
 speed is the memory's. oneDNN's packed product (model_executor/layers/utils.py),
 built for many rows, read the 20M benchmark Llama's weights at about half the
-read bandwidth for 1-4 rows. This kernel streams a copy of the weight blocked
-as [out / GEMV_BLOCK, in, GEMV_BLOCK]: work item b reads one contiguous slab,
-row k of it the GEMV_BLOCK weights that row k of the input multiplies, and
-keeps GEMV_BLOCK sums per input row.
+read bandwidth for 1-4 rows on our AMD VM (on our Intel VM it was the faster
+of the two, so the loader times both: `few_row_kernel_pays`). This kernel
+streams a copy of the weight blocked as [out / GEMV_BLOCK, in, GEMV_BLOCK]:
+work item b reads one contiguous slab, row k of it the GEMV_BLOCK weights
+that row k of the input multiplies, and keeps GEMV_BLOCK sums per input row.
 
 It gives oneDNN's bits, not just its values. For a batch of rows the packed
 product computes each output from 0 by one fused multiply-add per input
@@ -35,7 +36,7 @@ import torch
 
 from minivllm.utils import numba_threads
 
-# Rows up to which the kernel beats oneDNN's packed product: measured on the
+# Rows up to which the kernel beat oneDNN's packed product on our AMD VM: the
 # 20M benchmark Llama's 28 projections in turn (81 MB), 2 threads: 1.9x at 1
 # row, 1.6x at 2, 1.4x at 4, 0.9x at 8 (it reads the weights once, but its
 # sums per row take more instructions than oneDNN's register tiles).

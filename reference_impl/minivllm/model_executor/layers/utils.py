@@ -72,7 +72,8 @@ def dispatch_cpu_unquantized_gemm(layer: nn.Module) -> None:
     """Pack `layer.weight` ([out, in]) for oneDNN, once, after loading; a
     layer it does not suit keeps `F.linear` (packed_weight None). A packed
     layer also gets the weight blocked for the few-row kernel, if that
-    kernel gives oneDNN's bits for it (gemv_weight None if not)."""
+    kernel is the faster here and gives oneDNN's bits for it (gemv_weight
+    None if not)."""
     weight = layer.weight
     layer.packed_weight = (
         torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
