@@ -140,6 +140,37 @@ def test_a_layer_the_kernel_does_not_match_keeps_onednn(monkeypatch):
     assert same_bits(unquantized_gemm(layer, x), onednn(x, weight))
 
 
+@pytest.mark.parametrize("odd_rows", [0, 1, 3])
+def test_onednn_pads_only_the_row_counts_it_sums_in_another_order(monkeypatch, odd_rows):
+    """The loader finds, per layer, the fewest rows oneDNN sums in its
+    batches' order (`_onednn_min_rows`), and only fewer rows are padded to
+    it. A stand-in oneDNN sums 1 to `odd_rows` rows in another order
+    (F.linear's), as the real one sums a lone row of more than 1024 inputs
+    on our Intel VM: with the padding, every row keeps its batch bits."""
+    real = gemm_utils._packed_product
+    calls = []
+
+    def stand_in(x, packed, bias):
+        calls.append(x.shape[0])
+        if x.shape[0] <= odd_rows:
+            return F.linear(x, packed.to_dense(), bias)
+        return real(x, packed, bias)
+
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(200, 300, generator=g) * 0.05
+    assert not same_bits(F.linear(weight[:1], weight), real(weight[:1], weight, None))  # other bits
+    monkeypatch.setattr(gemm_utils, "_packed_product", stand_in)
+    monkeypatch.setattr(gemm_utils, "few_row_kernel_pays", lambda: False)
+    layer = layer_of(weight)
+    assert layer.gemv_weight is None and layer.onednn_min_rows == odd_rows + 1
+    x = torch.randn(64, 300, generator=g)
+    whole = real(x, layer.packed_weight, None)
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        calls.clear()
+        assert same_bits(unquantized_gemm(layer, x[:rows]), whole[:rows]), rows
+        assert calls == [max(rows, odd_rows + 1)]  # padded only below odd_rows + 1
+
+
 @pytest.mark.parametrize("in_features", [512, 1376])
 def test_a_row_alone_equals_the_row_in_any_batch(in_features, few_rows_by):
     """Bit for bit, whatever the batch size: the property seeded sampling's

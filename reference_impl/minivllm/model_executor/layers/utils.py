@@ -24,7 +24,10 @@ bits oneDNN gives the same rows in a batch, so the batch invariance holds
 across the switch, and which reads the weights at the memory's speed: about
 twice oneDNN's on our AMD VM, but slower than oneDNN on our Intel VM. So the
 loader times both once per process (`few_row_kernel_pays`), and where oneDNN
-wins a few rows go to it inside a batch (`_few_rows_product`).
+wins a few rows go to it, padded with zero rows only to the smallest batch
+that oneDNN sums in its batches' order (found per layer at load:
+`_onednn_min_rows`; on our Intel VM a lone row of more than 1024 inputs is
+summed in another order).
 
 Packed only where it helps and can be used: a float32 weight on an x86 CPU
 with oneDNN. A compiled model multiplies by the same packed weights:
@@ -82,6 +85,8 @@ def dispatch_cpu_unquantized_gemm(layer: nn.Module) -> None:
     )
     use_gemv = layer.packed_weight is not None and few_row_kernel_pays()
     layer.gemv_weight = _checked_gemv_weight(layer) if use_gemv else None
+    if layer.packed_weight is not None and layer.gemv_weight is None:
+        layer.onednn_min_rows = _onednn_min_rows(layer.packed_weight, _biases(layer))
 
 
 @functools.cache
@@ -107,28 +112,56 @@ def few_row_kernel_pays() -> bool:
             times.append(time.perf_counter() - start)
         return min(times)
 
+    min_rows = _onednn_min_rows(packed, [None])
     kernel = best_of(lambda: [gemv(x, blocked, None, 4096) for x in xs])
-    onednn = best_of(lambda: [_few_rows_product(x, packed, None) for x in xs])
+    onednn = best_of(lambda: [_few_rows_product(x, packed, None, min_rows) for x in xs])
     return kernel < onednn
+
+
+def _biases(layer: nn.Module) -> list[torch.Tensor | None]:
+    """The biases a layer's product is checked with: none, and the layer's
+    own if it has one (a row-parallel rank past the first, or skip_bias_add,
+    multiplies without it; adding a bias can round a last-bit difference away)."""
+    bias = getattr(layer, "bias", None)
+    return [None] + ([bias.detach()] if isinstance(bias, torch.Tensor) else [])
+
+
+def _probe(in_features: int) -> torch.Tensor:  # [GEMV_MAX_ROWS + 1, in]
+    """Random rows to check a few-row product's bits with: one more than
+    GEMV_MAX_ROWS, the smallest batch every few-row path is compared with."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(GEMV_MAX_ROWS + 1, in_features, generator=g, dtype=torch.float32)
+
+
+def _onednn_min_rows(packed: torch.Tensor, biases: list[torch.Tensor | None]) -> int:
+    """The smallest m such that oneDNN gives m to GEMV_MAX_ROWS rows the bits
+    it gives them in a batch of GEMV_MAX_ROWS + 1: fewer rows are padded to
+    m (`_few_rows_product`). Usually 1, no padding. On our Intel VM, 2 for
+    more than 1024 inputs: there oneDNN sums a lone row in chunks of 512, a
+    batch in chunks of 1024."""
+    probe = _probe(packed.shape[1])  # the packed tensor keeps the weight's [out, in] shape
+    min_rows = 1
+    for bias in biases:
+        batch = _packed_product(probe, packed, bias)
+        for rows in range(GEMV_MAX_ROWS, min_rows - 1, -1):
+            if not same_bits(_packed_product(probe[:rows], packed, bias), batch[:rows]):
+                min_rows = rows + 1
+                break
+    return min_rows
 
 
 def _checked_gemv_weight(layer: nn.Module) -> np.ndarray | None:
     """`layer.weight` blocked for `gemv`, or None if `gemv` does not give
     GEMV_MAX_ROWS random rows the bits the packed product gives them in a
-    batch one row larger (the smallest that oneDNN multiplies), with the
-    layer's bias and without (a row-parallel rank past the first, or
-    skip_bias_add, multiplies without it, and adding a bias can round a
-    last-bit difference away). A batch, not the rows alone: on our Intel
-    VM oneDNN sums a single row in another order than a batch. None means a
+    batch one row larger (the smallest that oneDNN multiplies), with each
+    of `_biases`. A batch, not the rows alone: on our Intel VM oneDNN sums a
+    single row in another order than a batch. None means a
     oneDNN that sums batches in another order than gemv_numba.py's: at 1
     and 2 threads on our CPUs it does not."""
     out_features, in_features = layer.weight.shape
     blocked = block_weight(layer.weight)
-    g = torch.Generator().manual_seed(0)
-    probe = torch.randn(GEMV_MAX_ROWS + 1, in_features, generator=g, dtype=torch.float32)
-    bias = getattr(layer, "bias", None)
-    biases = [None] + ([bias.detach()] if isinstance(bias, torch.Tensor) else [])
-    for b in biases:
+    probe = _probe(in_features)
+    for b in _biases(layer):
         ours = gemv(probe[:GEMV_MAX_ROWS], blocked, b, out_features)
         batch = _packed_product(probe, layer.packed_weight, b)
         if not same_bits(ours, batch[:GEMV_MAX_ROWS]):
@@ -148,27 +181,29 @@ def _packed_product(
 
 
 def _few_rows_product(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, min_rows: int
 ) -> torch.Tensor:
-    """oneDNN's product of up to GEMV_MAX_ROWS rows, computed in a batch of
-    GEMV_MAX_ROWS + 1 (the rest zeros): on our Intel VM oneDNN sums a lone
-    row in another order than a batch (chunks of 512, not 1024), so a row
-    alone would get other last bits than the same row in a batch."""
+    """oneDNN's product of up to GEMV_MAX_ROWS rows, in a batch of at least
+    `min_rows` (the rest zeros), the smallest that oneDNN sums in its
+    batches' order (`_onednn_min_rows`): fewer rows alone would get other
+    last bits than in a batch."""
+    if x.shape[0] >= min_rows:
+        return _packed_product(x, packed, bias)
     with matmul_region("minivllm::few_rows"):
-        batch = x.new_zeros(GEMV_MAX_ROWS + 1, x.shape[1])
+        batch = x.new_zeros(min_rows, x.shape[1])
         batch[: x.shape[0]] = x
         return _packed_product(batch, packed, bias)[: x.shape[0]]
 
 
 def _cpu_packed_gemm(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A packed layer's product. A few rows go to the few-row kernel where it
-    is faster (same bits, read at the memory's speed), else to oneDNN inside
-    a batch; more rows to oneDNN."""
+    is faster (same bits, read at the memory's speed), else to oneDNN, inside
+    a batch where oneDNN needs one for the batches' bits; more rows to oneDNN."""
     if x.shape[0] > GEMV_MAX_ROWS:
         return _packed_product(x, layer.packed_weight, bias)
-    if getattr(layer, "gemv_weight", None) is not None:
+    if layer.gemv_weight is not None:
         return gemv(x, layer.gemv_weight, bias, layer.weight.shape[0])
-    return _few_rows_product(x, layer.packed_weight, bias)
+    return _few_rows_product(x, layer.packed_weight, bias, layer.onednn_min_rows)
 
 
 def unquantized_gemm(
