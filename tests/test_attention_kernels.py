@@ -19,6 +19,7 @@ import sys
 import textwrap
 
 import numba
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ from minivllm.attention.backends.numba_paged import (
 )
 from minivllm.attention.backends.torch_paged import TorchPagedAttention
 from minivllm.attention.layer import Attention
-from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
+from minivllm.attention.ops.paged_attn_numba import paged_attention_decode, prefetch
 from minivllm.attention.selector import get_attn_backend
 from minivllm.utils import numba_threads
 from tests import nvrtc
@@ -76,6 +77,22 @@ def test_numba_kernel_detects_a_wrong_block_table():
     out = run_numba_kernel(case)
     assert not out.isnan().any()
     assert not torch.allclose(out, expected, atol=1e-3)
+
+
+def test_prefetch_is_llvms_prefetch_instruction():
+    """The kernel's `prefetch` compiles to LLVM's prefetch (a hint the CPU may
+    drop), not to a load or to nothing; the kernel's results are held equal
+    to the reference above with it."""
+
+    @numba.njit
+    def prefetch_every_line(a):
+        for i in range(0, a.size, 16):
+            prefetch(a, i)
+
+    a = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    prefetch_every_line(a)
+    assert np.array_equal(a, np.arange(4096, dtype=np.float32).reshape(64, 64))
+    assert "call void @llvm.prefetch" in "".join(prefetch_every_line.inspect_llvm().values())
 
 
 SIMULATOR_SCRIPT = textwrap.dedent(

@@ -15,7 +15,11 @@ Each sequence's blocks are scattered over the pool, as a busy engine's are
 (`--block-order shuffled`, the default); `--block-order in-order` gives each
 sequence consecutive blocks, which shows what the scattering costs: a CPU's
 prefetchers follow a stream within a 4 KB page, and every jump to another
-block starts a new one.
+block starts a new one (the Numba kernel asks for the next block ahead,
+`prefetch` in ops/paged_attn_numba.py). Each kernel runs several times on
+the same inputs, so a small case is read from the caches after the first
+call: the engine reads every layer's K/V from memory once per step, which
+`python -m tools.bench.roofline` measures.
 
     python -m tools.bench.attention                 # CPU, or GPU if there is one
     python -m tools.bench.attention --device cpu --json out.json

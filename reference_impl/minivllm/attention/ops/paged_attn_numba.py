@@ -15,6 +15,15 @@ together, so each K/V row is loaded once for the whole group. Scores, softmax
 and the weighted sum are accumulated in float32, for each head in the same
 order however the work is split: the split changes no bit of the output.
 
+Each pass also asks the CPU for the next block's rows while it reads this
+block's (`prefetch`), as vLLM's CPU kernel does for V (csrc/cpu/attention.cpp,
+`vec_op::prefetch`). A CPU's own prefetchers follow a stream only within a
+4 KB page, and a sequence's next block can be anywhere in the pool, so
+without the hint every block starts with a wait for memory. A prefetch is a
+hint, not a load: it changes no result, cannot fault, and is only given for
+blocks of the sequence's own table. On the engine's own caches at batch 64
+(context 275, 20M model, 2 threads) it made the kernel 1.2-1.5x faster.
+
 `fastmath={"reassoc", "contract"}` lets LLVM reorder the q.k sums into SIMD
 lanes and fuse multiply-adds: without it, a float sum must be added strictly
 left to right, one element at a time. That is 2-3.5x faster here
@@ -29,8 +38,33 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from minivllm.attention.kv_cache import check_decode_args
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """`prefetch(array, i)`: ask the CPU to bring the cache line holding
+    element i of C-contiguous `array` (counted flat) into its caches. Numba
+    has no such call, so this emits LLVM's `llvm.prefetch` (read, keep in
+    all cache levels, data), as C's `__builtin_prefetch` does."""
+    sig = types.void(array, index)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte_ptr = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn_type = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [byte_ptr], fn_type)
+        address = builder.bitcast(builder.gep(data, [args[1]]), byte_ptr)
+        # read (0), locality 3 (keep in every level), data cache (1)
+        builder.call(fn, [address, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def paged_attention_decode(
@@ -85,6 +119,8 @@ def _paged_attention_decode(
     num_seqs, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads  # query heads per KV head
+    row = num_kv_heads * head_size  # elements in a token's K (or V) row
+    line = 64 // key_cache.itemsize  # elements in a 64-byte cache line
     items_per_seq = (num_kv_heads + kv_heads_per_item - 1) // kv_heads_per_item
     for work in numba.prange(num_seqs * items_per_seq):
         seq, item = work // items_per_seq, work % items_per_seq
@@ -92,13 +128,21 @@ def _paged_attention_decode(
         last_kv = min(first_kv + kv_heads_per_item, num_kv_heads)
         first_head, heads = first_kv * group, (last_kv - first_kv) * group
         seq_len = seq_lens[seq]
+        last_block = (seq_len - 1) // block_size
+        # The item's stretch of a row, [first, end) in elements from the row's start.
+        first, end = first_kv * head_size, last_kv * head_size
         q = query[seq, first_head : first_head + heads].astype(np.float32)  # [heads, head_size]
 
         # Scores for every token, for each query head of the item.
         logits = np.empty((heads, seq_len), dtype=np.float32)
         for t in range(seq_len):
-            block = block_tables[seq, t // block_size]
-            k_row = key_cache[block, t % block_size]  # [num_kv_heads, head_size], contiguous
+            i, offset = t // block_size, t % block_size
+            block = block_tables[seq, i]
+            if i < last_block:  # the same row of the next block, line by line
+                ahead = (block_tables[seq, i + 1] * block_size + offset) * row
+                for f in range(ahead + first, ahead + end, line):
+                    prefetch(key_cache, f)
+            k_row = key_cache[block, offset]  # [num_kv_heads, head_size], contiguous
             for h in range(heads):
                 k = k_row[first_kv + h // group]
                 dot = np.float32(0.0)
@@ -120,8 +164,13 @@ def _paged_attention_decode(
         # Probability-weighted sum of V rows.
         acc = np.zeros((heads, head_size), dtype=np.float32)
         for t in range(seq_len):
-            block = block_tables[seq, t // block_size]
-            v_row = value_cache[block, t % block_size]  # [num_kv_heads, head_size]
+            i, offset = t // block_size, t % block_size
+            block = block_tables[seq, i]
+            if i < last_block:
+                ahead = (block_tables[seq, i + 1] * block_size + offset) * row
+                for f in range(ahead + first, ahead + end, line):
+                    prefetch(value_cache, f)
+            v_row = value_cache[block, offset]  # [num_kv_heads, head_size]
             for h in range(heads):
                 v = v_row[first_kv + h // group]
                 p = logits[h, t]
