@@ -137,8 +137,8 @@ def _onednn_min_rows(packed: torch.Tensor, biases: list[torch.Tensor | None]) ->
     """The smallest m such that oneDNN gives m to GEMV_MAX_ROWS rows the bits
     it gives them in a batch of GEMV_MAX_ROWS + 1: fewer rows are padded to
     m (`_few_rows_product`). Usually 1, no padding. On our Intel VM, 2 for
-    more than 1024 inputs: there oneDNN sums a lone row in chunks of 512, a
-    batch in chunks of 1024."""
+    more than 1024 inputs: there oneDNN sums a lone row of them in another
+    order than a batch (2 to 4 rows in the batches' order)."""
     probe = _probe(packed.shape[1])  # the packed tensor keeps the weight's [out, in] shape
     min_rows = 1
     for bias in biases:
