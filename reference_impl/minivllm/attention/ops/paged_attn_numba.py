@@ -22,8 +22,8 @@ block's (`prefetch`), as vLLM's CPU kernel does for V (csrc/cpu/attention.cpp,
 without the hint every block starts with a wait for memory. A prefetch is a
 hint, not a load: it changes no result, cannot fault, and is only given for
 blocks of the sequence's own table. On the engine's own caches at batch 64
-(context 275, 20M model, 2 threads) it made the kernel 1.05-1.5x faster
-(about 1.2x typically, over 18 interleaved rounds).
+(context 275, 20M model, 2 threads) it made the kernel 1.04-1.5x faster
+(about 1.2x typically, over 17 interleaved rounds).
 
 `fastmath={"reassoc", "contract"}` lets LLVM reorder the q.k sums into SIMD
 lanes and fuse multiply-adds: without it, a float sum must be added strictly
