@@ -21,10 +21,9 @@ same bits from this kernel as in a oneDNN batch of 64, and a row's result
 does not depend on the rest of the batch. (oneDNN alone does not always
 give that: on the Intel VM it sums a single row of more than 1024 inputs in
 another order, so a row alone and the same row in a batch differed in the
-last bits.) In case
-another oneDNN or CPU sums batches in another order, the loader checks
-each layer against oneDNN (`dispatch_cpu_unquantized_gemm`), and a layer
-that differs by one bit keeps oneDNN for every batch.
+last bits.) In case another oneDNN or CPU sums batches in another order,
+the loader checks each layer against oneDNN (`dispatch_cpu_unquantized_gemm`),
+and a layer that differs by one bit keeps oneDNN for every batch.
 """
 
 from __future__ import annotations
