@@ -107,7 +107,6 @@ class LabSampler(Sampler):
                  warp: Callable | None = None, sample: Callable | None = None) -> None:
         super().__init__(seed)
         self.penalties, self.warp, self.sample = penalties, warp, sample
-        self._drawn: list[int] = []
         self.calls = 0  # how many steps ran the replaced stage
 
     def _process_logits(self, logits, rows):  # an instance method here, a staticmethod there
@@ -115,8 +114,6 @@ class LabSampler(Sampler):
             processed = Sampler._process_logits(logits, rows)
         else:
             processed = self._chain(logits, rows)
-        if self.sample is not None:
-            self._drawn = self._sample_rows(processed, rows)
         return processed
 
     def _chain(self, logits, rows):
@@ -161,22 +158,18 @@ class LabSampler(Sampler):
         self.calls += 1
         return _stage_output("warp", self.warp(*warp_args), logits)
 
-    def _sample_rows(self, processed, rows) -> list[int]:
+    def _sample(self, processed, probs, rows) -> list[list[int]]:
+        if self.sample is None:
+            return super()._sample(processed, probs, rows)
         for sg, seq_id in rows:
             assert num_samples_to_draw(sg.sampling_params, sg.seq_data[seq_id]) == 1, (
                 "LabSampler draws one token per sequence: use n=1 and best_of=1 with it"
             )
-        probs = torch.log_softmax(processed, dim=-1).exp()  # what forward() samples from
         is_greedy = [sg.sampling_params.sampling_type == SamplingType.GREEDY for sg, _ in rows]
         generators = [sg.generator for sg, _ in rows]
         self.calls += 1
         tokens = self.sample(probs, is_greedy, generators, self.generator)
-        return _token_list(tokens, len(rows), probs.shape[-1], "inside the engine")
-
-    def _sample_row(self, sg, seq_id, processed, probs):
-        if self.sample is None:
-            return super()._sample_row(sg, seq_id, processed, probs)
-        return [self._drawn.pop(0)]
+        return [[t] for t in _token_list(tokens, len(rows), probs.shape[-1], "inside the engine")]
 
 
 def _stage_output(name: str, out, logits: torch.Tensor) -> torch.Tensor:
@@ -716,7 +709,7 @@ DV = 6  # the draw fixture's vocabulary
 
 
 def reference_sample(probs, is_greedy, generators, shared_generator) -> list[int]:
-    """The engine's draw (`Sampler._sample_row` and `Sampler._draw`), row by row."""
+    """The engine's draw (`Sampler._sample` and `Sampler._draw`), row by row."""
     tokens = []
     for row in range(probs.shape[0]):
         if is_greedy[row]:

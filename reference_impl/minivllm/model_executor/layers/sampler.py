@@ -66,7 +66,8 @@ def apply_min_tokens_penalty(
     """Set each row's banned tokens to -inf, so they cannot be sampled."""
     logits = logits.clone()
     for row, token_ids in enumerate(banned_token_ids):
-        logits[row, token_ids] = float("-inf")
+        if token_ids:  # an empty index still costs a few operator calls
+            logits[row, token_ids] = float("-inf")
     return logits
 
 
@@ -192,13 +193,15 @@ class Sampler(nn.Module):
         logprobs = torch.log_softmax(processed, dim=-1)
         probs = logprobs.exp()
 
+        tokens = self._sample(processed, probs, rows)  # per row, num_samples_to_draw of them
+
         outputs: list[CompletionSequenceGroupOutput] = []
         drawn: list[tuple[int, SequenceOutput]] = []  # (row, sample), in draw order
         row = 0
         for sg in seq_groups:
             samples: list[SequenceOutput] = []
             for seq_id in sg.seq_ids if sg.sample_indices else ():
-                for token in self._sample_row(sg, seq_id, processed[row], probs[row]):
+                for token in tokens[row]:
                     sample = SequenceOutput(seq_id, token, {})  # logprobs: below, all at once
                     samples.append(sample)
                     drawn.append((row, sample))
@@ -217,20 +220,41 @@ class Sampler(nn.Module):
             sample.logprobs = entry
         return SamplerOutput(outputs)
 
-    def _sample_row(
+    def _sample(
         self,
-        sg: SequenceGroupToSample,
-        seq_id: int,
-        processed: torch.Tensor,  # [vocab_size]
-        probs: torch.Tensor,  # [vocab_size]
-    ) -> list[int]:
-        """The tokens one sequence samples, `num_samples_to_draw` of them:
-        greedy rows take the argmax (they draw one), other rows draw."""
-        if sg.sampling_params.sampling_type == SamplingType.GREEDY:
-            return [int(processed.argmax())]
-        generator = sg.generator or self.generator
-        num = num_samples_to_draw(sg.sampling_params, sg.seq_data[seq_id])
-        return [self._draw(probs, generator) for _ in range(num)]
+        processed: torch.Tensor,  # [num_rows, vocab_size]
+        probs: torch.Tensor,  # [num_rows, vocab_size]
+        rows: list[tuple[SequenceGroupToSample, int]],
+    ) -> list[list[int]]:
+        """Every row's tokens, `num_samples_to_draw` of them, as vLLM's
+        `_sample_with_torch`: greedy rows (which draw one) by one `argmax` over
+        all of them, the other rows by one race over all their draws. One
+        `.tolist()` each: on a GPU a read back is a sync, so never one per row."""
+        tokens: list[list[int]] = [[] for _ in rows]
+        greedy = [
+            row
+            for row, (sg, _) in enumerate(rows)
+            if sg.sampling_params.sampling_type == SamplingType.GREEDY
+        ]
+        if greedy:
+            for row, token in zip(greedy, processed[greedy].argmax(dim=-1).tolist(), strict=True):
+                tokens[row].append(token)
+        # Each draw's noise comes from its row's generator, in row order, so a
+        # seeded row's tokens do not depend on the batch (Day 9).
+        draw_rows: list[int] = []
+        noise: list[torch.Tensor] = []  # [vocab_size] each, on the CPU
+        for row, (sg, seq_id) in enumerate(rows):
+            if sg.sampling_params.sampling_type == SamplingType.GREEDY:
+                continue
+            generator = sg.generator or self.generator
+            for _ in range(num_samples_to_draw(sg.sampling_params, sg.seq_data[seq_id])):
+                draw_rows.append(row)
+                noise.append(torch.empty(probs.shape[-1]).exponential_(generator=generator))
+        if draw_rows:
+            drawn = self._draw(probs[draw_rows], torch.stack(noise))
+            for row, token in zip(draw_rows, drawn, strict=True):
+                tokens[row].append(token)
+        return tokens
 
     @staticmethod
     def _process_logits(
@@ -302,9 +326,12 @@ class Sampler(nn.Module):
         return get_position_logprobs(logprobs, next_tokens, num_top)
 
     @staticmethod
-    def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-        """One token ~ probs, by the exponential race: argmax(p_i / E_i) with
-        E_i ~ Exp(1) picks i with probability p_i. The noise is drawn on the
-        CPU so a seed gives the same tokens on every device."""
-        noise = torch.empty(probs.shape[0]).exponential_(generator=generator)
-        return int((probs.cpu() / noise).argmax())
+    def _draw(
+        probs: torch.Tensor,  # [num_draws, vocab_size]
+        noise: torch.Tensor,  # [num_draws, vocab_size] on the CPU, each ~ Exp(1)
+    ) -> list[int]:
+        """One token ~ probs per draw, by the exponential race: argmax(p_i / E_i)
+        with E_i ~ Exp(1) picks i with probability p_i. The noise is drawn on
+        the CPU, and the race run there, so a seed gives the same tokens on
+        every device."""
+        return (probs.cpu() / noise).argmax(dim=-1).tolist()
