@@ -23,6 +23,7 @@ from tools.bench.latency import (
     time_per_output_token,
 )
 from tools.bench.step_cost import linear_fit, measure_step_cost, measure_step_cost_v1
+from tools.bench.step_split import PARTS, decode_split
 from tools.bench.throughput import (
     RunResult,
     add_repetition,
@@ -136,6 +137,29 @@ def test_v1_step_cost_counts_only_full_decode_steps(tiny_model_dir):
     assert min(cost.schedule_us_per_seq, cost.prepare_us_per_seq, cost.update_us_per_seq) > 0
     assert cost.model_us_per_seq > 0
     assert cost.total_us_per_seq >= max(cost.schedule_us_per_seq, cost.process_us_per_seq)
+
+
+def test_step_split_charges_each_part_its_own_time(tiny_model_dir):
+    """A sampler made 20 ms slower shows in `sampler`, not in `model` (which
+    is execute_model minus the sampler); the parts add up to the step, and
+    the engine's objects are as before once the timing is over."""
+    import time
+
+    from minivllm import LLM
+
+    llm = LLM(tiny_model_dir("llama"), max_num_seqs=4)
+    engine = llm.llm_engine
+    sampler = engine.worker.model_runner.sampler
+    slow = sampler.forward
+    sampler.forward = lambda *a, **k: time.sleep(0.02) or slow(*a, **k)
+    slowed = sampler.forward
+    ms = decode_split(llm, batch=4, prompt_len=6, steps=3, sync=False)
+    assert ms["sampler"] >= 20 > ms["model"] > 0
+    assert min(ms[p] for p in ("schedule", "prepare_inputs", "process")) > 0
+    assert ms["step"] == pytest.approx(sum(ms[p] for p in PARTS))
+    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
+    assert sampler.forward is slowed and "execute_model" not in vars(engine.worker.model_runner)
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.mark.slow

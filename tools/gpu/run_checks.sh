@@ -2,10 +2,12 @@
 # What needs a GPU, in one go: bash tools/gpu/run_checks.sh [SECTION...]
 #   kernels     the CUDA kernels against the PyTorch reference (tests marked cuda)
 #   tests       the engine on the GPU: CUDA graphs against eager, cuda against torch backend
+#   split       where a batch-64 decode step's time goes (graphs and eager, the sampler synced or not)
 #   latency     one request, engine (CUDA graphs, then eager) against HF generate
 #   throughput  the benchmark workload in float16 against HF generate_batch and static
-# (default: all four). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
-# $THROUGHPUT_ARGS replaces the throughput run's --repeats 2.
+# (default: all five). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
+# $THROUGHPUT_ARGS replaces the throughput run's --repeats 3 (three, so that the median drops
+# HF's first static run, which on an H100 took about ten times its later ones).
 # Wheels in .whl/ are installed first, for a machine that reaches no package index.
 set -u
 OUT=${OUT:-/tmp/minivllm-gpu}
@@ -23,7 +25,7 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
 
 PYTEST=(python3 -m pytest -o addopts= -p no:cacheprovider -q -m cuda -W ignore::DeprecationWarning)
 section() { echo "== $1 ($(date +%T))"; }
-for name in "${@:-kernels tests latency throughput}"; do for s in $name; do
+for name in "${@:-kernels tests split latency throughput}"; do for s in $name; do
     case $s in
     kernels)  # in parallel: NVRTC compiles each instantiation once per process
         section kernels
@@ -33,6 +35,9 @@ for name in "${@:-kernels tests latency throughput}"; do for s in $name; do
         section tests
         timeout 240 "${PYTEST[@]}" -k "engine or graph" tests/test_attention_kernels_cuda.py \
             tests/test_cuda_graphs.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    split)
+        section split
+        timeout 120 python3 -m tools.bench.step_split --device cuda 2>&1 | tee "$OUT/split.log" | tail -8 ;;
     latency)
         section latency
         for eager in "" --enforce-eager; do
@@ -42,7 +47,7 @@ for name in "${@:-kernels tests latency throughput}"; do for s in $name; do
     throughput)
         section throughput
         timeout 400 python3 -m tools.bench.throughput --device cuda --dtype float16 \
-            ${THROUGHPUT_ARGS:---repeats 2} --no-plot --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | tail -45 ;;
+            ${THROUGHPUT_ARGS:---repeats 3} --no-plot --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | tail -45 ;;
     *) echo "unknown section $s"; exit 2 ;;
     esac
 done; done

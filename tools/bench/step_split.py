@@ -1,0 +1,151 @@
+"""Where a decode step's wall time goes, on any device: timers around the
+engine's parts.
+
+    python -m tools.bench.step_split --device cuda      # graphs, then eager
+    python -m tools.bench.step_split --batch 8 --steps 10
+
+The classic engine on the benchmark model runs `--batch` requests of
+`--prompt-len` tokens to the point where all of them decode, then times
+`--steps` decode steps of the whole batch, part by part:
+
+    schedule        Scheduler.schedule
+    prepare_inputs  ModelRunner.prepare_model_input
+    model           ModelRunner.execute_model, the sampler left out
+                    (the forward or the graph replay, the LM head)
+    sampler         Sampler.forward
+    process         LLMEngine._process_model_outputs
+    other           the rest of LLMEngine.step
+
+On a CPU every part's time is its own. On a GPU work is queued, and the
+host waits only where it reads a result back, in the sampler; so the run is
+made twice. As it runs, the sampler's time includes the wait for the
+model's kernels; with `--sync` (both, by default on a GPU) a
+`torch.cuda.synchronize()` before and after the sampler charges that wait
+to `model` and leaves the sampler its own time, at the price of a step a
+little longer. `tools.bench.roofline` splits a CPU step by the profiler,
+operator by operator; this is its coarse twin for a GPU, where a profiler
+would distort a 5 ms step. Only this engine's objects are wrapped, and
+only while the timing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from minivllm import LLM, SamplingParams
+from tools.bench.common import add_model_args, make_bench_model, print_table, set_threads
+
+PARTS = ("schedule", "prepare_inputs", "model", "sampler", "process", "other")
+
+
+def _wrap(obj: Any, attr: str, add: Callable[[float], None], undo: list, sync=None) -> None:
+    """Replace `obj.attr` (this object only) by a call whose wall time goes
+    to `add`; with `sync`, called before and after, inside the timing."""
+    inner = getattr(obj, attr)
+
+    @functools.wraps(inner)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        if sync:
+            sync()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            if sync:
+                sync()
+            add(time.perf_counter() - start)
+
+    had_own = attr in vars(obj)
+    setattr(obj, attr, timed)
+    undo.append(lambda: setattr(obj, attr, inner) if had_own else delattr(obj, attr))
+
+
+@contextlib.contextmanager
+def timed_parts(llm: LLM, sync: bool = False) -> Iterator[dict[str, float]]:
+    """Seconds spent in each part of the engine's steps while the block runs
+    (`model` and `other` are filled in at the end, from the totals)."""
+    engine = llm.llm_engine
+    runner = engine.worker.model_runner
+    seconds = dict.fromkeys(("step", "execute", *PARTS), 0.0)
+
+    def adder(part: str) -> Callable[[float], None]:
+        return lambda s: seconds.__setitem__(part, seconds[part] + s)
+
+    device_sync = torch.cuda.synchronize if sync and torch.cuda.is_available() else None
+    undo: list[Callable[[], None]] = []
+    _wrap(engine, "step", adder("step"), undo)
+    _wrap(engine.scheduler, "schedule", adder("schedule"), undo)
+    _wrap(runner, "prepare_model_input", adder("prepare_inputs"), undo)
+    _wrap(runner, "execute_model", adder("execute"), undo)
+    _wrap(runner.sampler, "forward", adder("sampler"), undo, device_sync)
+    _wrap(engine, "_process_model_outputs", adder("process"), undo)
+    try:
+        yield seconds
+    finally:
+        for restore in reversed(undo):
+            restore()
+        seconds["model"] = seconds.pop("execute") - seconds["sampler"]
+        seconds["other"] = seconds["step"] - sum(seconds[p] for p in PARTS if p != "other")
+
+
+def decode_split(llm: LLM, batch: int, prompt_len: int, steps: int, sync: bool) -> dict:
+    """Milliseconds per decode step of `batch` sequences, by part."""
+    engine = llm.llm_engine
+    vocab = llm.llm_engine.model_config.hf_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        prompt = [(7 * i + j) % (vocab - 3) + 3 for j in range(prompt_len)]
+        engine.add_request(f"split-{sync}-{i}", {"prompt_token_ids": prompt}, params)
+    while engine.scheduler.waiting or any(g.is_prefill() for g in engine.scheduler.running):
+        engine.step()
+    engine.step()  # the first decode: buffers and graphs warm
+    with timed_parts(llm, sync) as seconds:
+        for _ in range(steps):
+            if len(engine.scheduler.running) != batch:
+                raise RuntimeError(f"a timed step must decode all {batch} sequences")
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {part: 1e3 * s / steps for part, s in seconds.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser)
+    parser.add_argument("--dtype", default=None, help="float16 on a GPU, float32 on a CPU")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args(argv)
+    set_threads(args.threads)
+    on_gpu = args.device == "cuda"
+    dtype = args.dtype or ("float16" if on_gpu else "float32")
+    with tempfile.TemporaryDirectory() as directory:
+        model_dir = args.model or make_bench_model(args.model_size, directory)
+        rows = []
+        for eager in (False, True) if on_gpu else (True,):
+            llm = LLM(model_dir, device=args.device, dtype=dtype, enforce_eager=eager,
+                      max_model_len=args.prompt_len + args.steps + 16, max_num_seqs=args.batch,
+                      swap_space=0, seed=0)
+            for sync in (False, True) if on_gpu else (False,):
+                ms = decode_split(llm, args.batch, args.prompt_len, args.steps, sync)
+                name = ("eager" if eager else "CUDA graphs") if on_gpu else "engine"
+                rows.append({"run": name + (", synced sampler" if sync else ""),
+                             "ms/step": round(ms["step"], 2),
+                             **{p: round(ms[p], 2) for p in PARTS}})
+            del llm
+    print_table(rows, f"Decode steps of {args.batch} sequences, {args.prompt_len}-token prompts, "
+                      f"{args.model_size} model in {dtype} on {args.device} "
+                      f"(ms per step, mean of {args.steps} steps)")
+
+
+if __name__ == "__main__":
+    main()
