@@ -25,6 +25,14 @@ blocks of the sequence's own table. On the engine's own caches at batch 64
 (context 275, 20M model, 2 threads) it made the kernel 1.04-1.5x faster
 (about 1.2x typically, over 17 interleaved rounds).
 
+The softmax's exponentials are `exp_nonpositive`: a polynomial LLVM can put
+into SIMD lanes, where `math.exp` is a scalar call per score (Numba has no
+vector math library here), as vLLM's CPU vector types have their own `exp()`.
+It is within 1.5e-7 of `math.exp`, relative. On the engine's caches at batch
+64 the kernel ran about 1.1x faster with it (1.05x and 1.19x, the medians of
+two runs of 12 interleaved rounds on a noisy VM), about what removing the
+exponentials altogether gains.
+
 `fastmath={"reassoc", "contract"}` lets LLVM reorder the q.k sums into SIMD
 lanes and fuse multiply-adds: without it, a float sum must be added strictly
 left to right, one element at a time. That is 2-3.5x faster here
@@ -66,6 +74,43 @@ def prefetch(typingctx, array, index):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def _float32_from_bits(typingctx, bits):
+    """The float32 whose IEEE bits are the int32 `bits` (C's type punning).
+    Numba has no such call for a scalar; LLVM's bitcast is one instruction."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+_LOG2_E = np.float32(1.4426950408889634)
+# ln 2 in two parts: k * _LN2_HIGH is exact for the k that occur, so
+# x - k ln 2 loses no bits to rounding.
+_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)
+
+
+@numba.njit(inline="always", fastmath={"reassoc", "contract"})
+def exp_nonpositive(x: float) -> float:
+    """exp(x) for float32 x <= 0, in arithmetic only: x = k ln 2 + r with
+    |r| <= ln 2 / 2, exp(r) by Cephes' expf polynomial, and 2^k by writing k
+    into a float's exponent bits. Below -87 (exp < 1.7e-38, where float32
+    stops being normal) it returns exp(-87), which is 0 to a softmax; NaN
+    stays NaN, so a poisoned score still shows."""
+    x = np.float32(-87.0) if x < np.float32(-87.0) else x
+    k = math.floor(x * _LOG2_E + np.float32(0.5))
+    r = x - k * _LN2_HIGH - k * _LN2_LOW
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    return (p * r * r + r + np.float32(1.0)) * _float32_from_bits(np.int32(k + 127) << 23)
 
 
 def paged_attention_decode(
@@ -157,7 +202,7 @@ def _paged_attention_decode(
             m = logits[h].max()
             s = np.float32(0.0)
             for t in range(seq_len):
-                e = math.exp(logits[h, t] - m)
+                e = exp_nonpositive(logits[h, t] - m)
                 logits[h, t] = e
                 s += e
             inv_sums[h] = 1.0 / s
