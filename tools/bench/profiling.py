@@ -22,7 +22,8 @@ objects, and only while the `with` block runs: other engines in the same
 process, and this one afterwards, run exactly as before.
 
 Used by Day 12's checker (tools/labs/checks/day12.py) and by the roofline
-benchmark (tools/bench/roofline.py).
+benchmark (tools/bench/roofline.py); `wrap_method`, the patching underneath,
+also by the step-split benchmark (tools/bench/step_split.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -53,18 +55,24 @@ MATMUL_OPS = (
 )
 
 
-def _wrap(obj: Any, attr: str, label: str, undo: list[Callable[[], None]]) -> None:
-    """Replace `obj.attr` (on this object only) by a call inside a `label`
-    region; append to `undo` what puts the original back."""
+def wrap_method(
+    obj: Any,
+    attr: str,
+    around: Callable[[], AbstractContextManager],
+    undo: list[Callable[[], None]],
+) -> None:
+    """Replace `obj.attr` (on this object only) by a call inside `around()`, a
+    fresh context manager per call; append to `undo` what puts the original
+    back. `labelled` wraps calls in profiler regions, `step_split` in timers."""
     inner = getattr(obj, attr)
 
     @functools.wraps(inner)
-    def labelled_call(*args, **kwargs):
-        with record_function(label):
+    def wrapped_call(*args, **kwargs):
+        with around():
             return inner(*args, **kwargs)
 
     had_own = attr in vars(obj)
-    setattr(obj, attr, labelled_call)
+    setattr(obj, attr, wrapped_call)
     undo.append(lambda: setattr(obj, attr, inner) if had_own else delattr(obj, attr))
 
 
@@ -75,16 +83,20 @@ def labelled(llm: LLM) -> Iterator[LLM]:
     engine = llm.llm_engine
     runner = engine.worker.model_runner
     undo: list[Callable[[], None]] = []
-    _wrap(engine.scheduler, "schedule", "schedule", undo)
-    _wrap(runner, "prepare_model_input", "prepare_inputs", undo)
-    _wrap(runner.model, "forward", "model", undo)
-    _wrap(runner.model, "compute_logits", "model", undo)
+
+    def label(obj: Any, attr: str, name: str) -> None:
+        wrap_method(obj, attr, functools.partial(record_function, name), undo)
+
+    label(engine.scheduler, "schedule", "schedule")
+    label(runner, "prepare_model_input", "prepare_inputs")
+    label(runner.model, "forward", "model")
+    label(runner.model, "compute_logits", "model")
     for module in runner.model.modules():
         impl = getattr(module, "impl", None)
         if impl is not None and hasattr(impl, "forward_decode"):
-            _wrap(impl, "forward", "attention", undo)
-    _wrap(runner.sampler, "forward", "sampler", undo)
-    _wrap(engine, "_process_model_outputs", "process", undo)
+            label(impl, "forward", "attention")
+    label(runner.sampler, "forward", "sampler")
+    label(engine, "_process_model_outputs", "process")
     try:
         yield llm
     finally:

@@ -17,9 +17,9 @@ The classic engine on the benchmark model runs `--batch` requests of
     other           the rest of LLMEngine.step
 
 On a CPU every part's time is its own. On a GPU work is queued, and the
-host waits only where it reads a result back, in the sampler; so the run is
-made twice. As it runs, the sampler's time includes the wait for the
-model's kernels; with `--sync` (both, by default on a GPU) a
+host waits only where it reads a result back, in the sampler; so on a GPU
+each engine is timed twice. As it runs, the sampler's time includes the
+wait for the model's kernels; in the second run ("synced sampler") a
 `torch.cuda.synchronize()` before and after the sampler charges that wait
 to `model` and leaves the sampler its own time, at the price of a step a
 little longer. `tools.bench.roofline` splits a CPU step by the profiler,
@@ -36,36 +36,29 @@ import functools
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
 from minivllm import LLM, SamplingParams
 from tools.bench.common import add_model_args, make_bench_model, print_table, set_threads
+from tools.bench.profiling import wrap_method
 
 PARTS = ("schedule", "prepare_inputs", "model", "sampler", "process", "other")
 
 
-def _wrap(obj: Any, attr: str, add: Callable[[float], None], undo: list, sync=None) -> None:
-    """Replace `obj.attr` (this object only) by a call whose wall time goes
-    to `add`; with `sync`, called before and after, inside the timing."""
-    inner = getattr(obj, attr)
-
-    @functools.wraps(inner)
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], part: str, sync: Callable[[], None] | None = None):
+    """Add the wall time of the block to `seconds[part]`; with `sync`, called
+    before and after, inside the timing."""
+    start = time.perf_counter()
+    if sync:
+        sync()
+    try:
+        yield
+    finally:
         if sync:
             sync()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            if sync:
-                sync()
-            add(time.perf_counter() - start)
-
-    had_own = attr in vars(obj)
-    setattr(obj, attr, timed)
-    undo.append(lambda: setattr(obj, attr, inner) if had_own else delattr(obj, attr))
+        seconds[part] += time.perf_counter() - start
 
 
 @contextlib.contextmanager
@@ -75,18 +68,18 @@ def timed_parts(llm: LLM, sync: bool = False) -> Iterator[dict[str, float]]:
     engine = llm.llm_engine
     runner = engine.worker.model_runner
     seconds = dict.fromkeys(("step", "execute", *PARTS), 0.0)
-
-    def adder(part: str) -> Callable[[float], None]:
-        return lambda s: seconds.__setitem__(part, seconds[part] + s)
-
     device_sync = torch.cuda.synchronize if sync and torch.cuda.is_available() else None
     undo: list[Callable[[], None]] = []
-    _wrap(engine, "step", adder("step"), undo)
-    _wrap(engine.scheduler, "schedule", adder("schedule"), undo)
-    _wrap(runner, "prepare_model_input", adder("prepare_inputs"), undo)
-    _wrap(runner, "execute_model", adder("execute"), undo)
-    _wrap(runner.sampler, "forward", adder("sampler"), undo, device_sync)
-    _wrap(engine, "_process_model_outputs", adder("process"), undo)
+
+    def time_calls(obj: object, attr: str, part: str, synced=None) -> None:
+        wrap_method(obj, attr, functools.partial(_timed, seconds, part, synced), undo)
+
+    time_calls(engine, "step", "step")
+    time_calls(engine.scheduler, "schedule", "schedule")
+    time_calls(runner, "prepare_model_input", "prepare_inputs")
+    time_calls(runner, "execute_model", "execute")
+    time_calls(runner.sampler, "forward", "sampler", device_sync)
+    time_calls(engine, "_process_model_outputs", "process")
     try:
         yield seconds
     finally:
@@ -99,7 +92,7 @@ def timed_parts(llm: LLM, sync: bool = False) -> Iterator[dict[str, float]]:
 def decode_split(llm: LLM, batch: int, prompt_len: int, steps: int, sync: bool) -> dict:
     """Milliseconds per decode step of `batch` sequences, by part."""
     engine = llm.llm_engine
-    vocab = llm.llm_engine.model_config.hf_config.vocab_size
+    vocab = engine.model_config.hf_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         prompt = [(7 * i + j) % (vocab - 3) + 3 for j in range(prompt_len)]
