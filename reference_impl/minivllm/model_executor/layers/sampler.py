@@ -230,26 +230,23 @@ class Sampler(nn.Module):
         `_sample_with_torch`: greedy rows (which draw one) by one `argmax` over
         all of them, the other rows by one race over all their draws. One
         `.tolist()` each: on a GPU a read back is a sync, so never one per row."""
-        tokens: list[list[int]] = [[] for _ in rows]
-        greedy = [
-            row
-            for row, (sg, _) in enumerate(rows)
-            if sg.sampling_params.sampling_type == SamplingType.GREEDY
-        ]
-        if greedy:
-            for row, token in zip(greedy, processed[greedy].argmax(dim=-1).tolist(), strict=True):
-                tokens[row].append(token)
-        # Each draw's noise comes from its row's generator, in row order, so a
-        # seeded row's tokens do not depend on the batch (Day 9).
-        draw_rows: list[int] = []
-        noise: list[torch.Tensor] = []  # [vocab_size] each, on the CPU
+        greedy: list[int] = []
+        draw_rows: list[int] = []  # one entry per draw
+        noise: list[torch.Tensor] = []  # [vocab_size] per draw, on the CPU
         for row, (sg, seq_id) in enumerate(rows):
             if sg.sampling_params.sampling_type == SamplingType.GREEDY:
+                greedy.append(row)
                 continue
+            # Each draw's noise comes from its row's generator, in row order,
+            # so a seeded row's tokens do not depend on the batch (Day 9).
             generator = sg.generator or self.generator
             for _ in range(num_samples_to_draw(sg.sampling_params, sg.seq_data[seq_id])):
                 draw_rows.append(row)
                 noise.append(torch.empty(probs.shape[-1]).exponential_(generator=generator))
+        tokens: list[list[int]] = [[] for _ in rows]
+        if greedy:
+            for row, token in zip(greedy, processed[greedy].argmax(dim=-1).tolist(), strict=True):
+                tokens[row].append(token)
         if draw_rows:
             drawn = self._draw(probs[draw_rows], torch.stack(noise))
             for row, token in zip(draw_rows, drawn, strict=True):
