@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -284,6 +285,33 @@ def test_the_numba_kernel_gives_the_same_bits_on_one_thread_and_two():
         )
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(8, 4, 64), (6, 2, 48), (4, 4, 80)])
+def test_a_sequences_bits_do_not_depend_on_its_batch(num_heads, num_kv_heads, head_size):
+    """Each sequence alone, then all in one batch: the same bits. One
+    sequence alone is split over KV heads when threads are idle; in the
+    batch it is one item. Seeded sampling is batch-invariant only if this holds."""
+    case = make_decode_case([5, 300, 16, 129, 1, 77], num_heads, num_kv_heads, head_size, 16)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        together = run_numba_kernel(case)
+        alone = [run_numba_kernel(one_sequence(case, i)) for i in range(len(case.seq_lens))]
+    finally:
+        numba.set_num_threads(threads)
+    for i, out in enumerate(alone):
+        assert torch.equal(out[0], together[i]), f"sequence {i} changed with its batch"
+
+
+def one_sequence(case, i: int):
+    """Sequence `i` of a decode case, alone, on the same cache."""
+    return dataclasses.replace(
+        case,
+        query=case.query[i : i + 1],
+        block_tables=case.block_tables[i : i + 1],
+        seq_lens=case.seq_lens[i : i + 1],
+    )
 
 
 def test_engine_numba_backend_matches_torch(tiny_model_dir):
