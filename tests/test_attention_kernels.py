@@ -314,6 +314,27 @@ def one_sequence(case, i: int):
     )
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 4, 16), (8, 2, 64), (6, 2, 48)])
+@pytest.mark.parametrize(
+    "context_len,q_len", [(0, 1), (0, 37), (0, 256), (16, 16), (23, 40), (100, 1)]
+)
+def test_numba_backend_prefill_matches_reference(
+    num_heads, num_kv_heads, head_size, context_len, q_len
+):
+    """The SDPA prefill against the reference's, with and without a cached
+    context (prefix caching, chunked prefill), on a cache whose slots past the
+    sequence are poisoned (kernel_cases): a wrong causal alignment or a read
+    past `seq_len` shows as a large error or a NaN."""
+    seq_len = context_len + q_len
+    case = make_decode_case([seq_len], num_heads, num_kv_heads, head_size, 8, seed=seq_len)
+    query = torch.randn(q_len, num_heads, head_size, generator=torch.Generator().manual_seed(1))
+    args = (query, case.kv_cache, case.block_tables, context_len, seq_len)
+    shape = (num_heads, head_size, head_size**-0.5, num_kv_heads)
+    out = NumbaPagedAttention(*shape).forward_prefill(*args)
+    reference = TorchPagedAttention(*shape).forward_prefill(*args)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_engine_numba_backend_matches_torch(tiny_model_dir):
     """Greedy tokens with the Numba decode kernel equal the reference backend's,
     for plain, GQA and multi-block sequences (block_size 8, up to 60 + 24 tokens)."""
