@@ -159,15 +159,16 @@ def decode_kernel(head_size: int, group: int):
     (csrc/cpu/attention.cpp, `paged_attention_v1_impl<scalar_t, HEAD_SIZE,
     BLOCK_SIZE>`).
 
-    A head's row is short: 64 floats are 4 AVX-512 (or 8 AVX2) registers.
+    A head's row is short: 64 floats fill 8 AVX2 registers (4 of AVX-512's).
     With `head_size` known, LLVM unrolls each row loop into those few
     instructions. Known only at run time, every row pays for a trip-count
     test, a remainder loop and the setup of the SIMD sums, and those cost more
     than the row's arithmetic. With `group` known, the loop over a group's
     query heads unrolls too, and each K or V row is loaded into registers once
-    for the whole group. On the engine's caches at batch 64 (20M model:
-    head_size 64, group 2) the kernel is 1.2-1.5x faster than with both read
-    from the shapes (`python -m tools.bench.attention --device cpu`). The
+    for the whole group. For the 20M model (head_size 64, group 2), against
+    the kernel with both read from the shapes: 1.3-1.5x faster on one thread
+    with K/V in cache, 1.2x on two threads over caches the size of the
+    engine's at batch 64, where memory holds it more than arithmetic. The
     order of every sum is still fixed at compile time, so the batch still
     changes no bit of a sequence's output.
 
