@@ -20,12 +20,16 @@ from minivllm.utils import numba_threads
 
 # K/V rows a thread should have to itself before the kernel uses one more.
 # Starting a parallel region wakes the pool's sleeping threads (minivllm sets
-# OMP_WAIT_POLICY=PASSIVE, envs.py): about 50 us on our 2-core VM, where one
-# thread reads a row in about 35 ns, so a second thread pays off from about
-# 3 000 rows (a batch of 8 at 67 tokens and 4 KV heads is 2 144: 75 us on one
-# thread, 86 on two). Each (sequence, KV head) is computed the same way
-# whatever the thread count, so outputs do not change with it.
-MIN_ROWS_PER_THREAD = 3072
+# OMP_WAIT_POLICY=PASSIVE, envs.py), which costs more than a few hundred rows
+# take. On our 2-core VM, with the pool asleep before each call and blocks
+# scattered over a 250 MB cache, one thread took 40-80 ns a row and two were
+# faster from 1 024 rows on (one sequence of 256 tokens with 4 KV heads: 71
+# against 82 us). In the engine (20M model, steps alternated in one process),
+# a second thread from 1 024 rows instead of 6 144 made decode steps of 2-8
+# sequences 1.06-1.08x faster, and of one sequence at 1 040 rows 1.01x. Each
+# (sequence, KV head) is computed the same way whatever the thread count, so
+# outputs do not change with it.
+MIN_ROWS_PER_THREAD = 512
 
 
 def kernel_threads(rows: int) -> int:
