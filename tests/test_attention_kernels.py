@@ -329,9 +329,9 @@ def test_numba_backend_prefill_matches_reference(
     case = make_decode_case([seq_len], num_heads, num_kv_heads, head_size, 8, seed=seq_len)
     query = torch.randn(q_len, num_heads, head_size, generator=torch.Generator().manual_seed(1))
     args = (query, case.kv_cache, case.block_tables, context_len, seq_len)
-    shape = (num_heads, head_size, head_size**-0.5, num_kv_heads)
-    out = NumbaPagedAttention(*shape).forward_prefill(*args)
-    reference = TorchPagedAttention(*shape).forward_prefill(*args)
+    impl_args = (num_heads, head_size, head_size**-0.5, num_kv_heads)
+    out = NumbaPagedAttention(*impl_args).forward_prefill(*args)
+    reference = TorchPagedAttention(*impl_args).forward_prefill(*args)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 

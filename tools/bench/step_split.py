@@ -71,7 +71,9 @@ def timed_parts(llm: LLM, sync: bool = False) -> Iterator[dict[str, float]]:
     device_sync = torch.cuda.synchronize if sync and torch.cuda.is_available() else None
     undo: list[Callable[[], None]] = []
 
-    def time_calls(obj: object, attr: str, part: str, synced=None) -> None:
+    def time_calls(
+        obj: object, attr: str, part: str, synced: Callable[[], None] | None = None
+    ) -> None:
         wrap_method(obj, attr, functools.partial(_timed, seconds, part, synced), undo)
 
     time_calls(engine, "step", "step")

@@ -16,13 +16,13 @@ from minivllm.attention.backends.abstract import AttentionImpl
 from minivllm.attention.backends.torch_paged import TorchAttentionBackend, TorchPagedAttention
 from minivllm.attention.kv_cache import gather_kv
 from minivllm.attention.ops.paged_attn_numba import paged_attention_decode
-from minivllm.utils import numba_threads
+from minivllm.utils import cdiv, numba_threads
 
 # K/V rows a thread should have to itself before the kernel uses one more.
 # Starting a parallel region wakes the pool's sleeping threads (minivllm sets
 # OMP_WAIT_POLICY=PASSIVE, envs.py), which costs more than a few hundred rows
 # take. On our 2-core VM, with the pool asleep before each call and blocks
-# scattered over a 250 MB cache, one thread took 40-80 ns a row and two were
+# scattered over a 130 MB cache, one thread took 40-80 ns a row and two were
 # faster from 1 024 rows on (one sequence of 256 tokens with 4 KV heads: 71
 # against 82 us). In the engine (20M model, steps alternated in one process),
 # a second thread from 1 024 rows instead of 6 144 made decode steps of 2-8
@@ -60,7 +60,7 @@ class NumbaPagedAttention(TorchPagedAttention):
         only without a cached context; with one, the mask is given.
         """
         block_size = kv_cache.shape[2]
-        keys, values = gather_kv(kv_cache, block_table[:, : -(-seq_len // block_size)])
+        keys, values = gather_kv(kv_cache, block_table[:, : cdiv(seq_len, block_size)])
         # SDPA's layout: [1, heads, tokens, head_size].
         q = query.float().transpose(0, 1)[None]
         k = keys[0, :seq_len].float().transpose(0, 1)[None]
