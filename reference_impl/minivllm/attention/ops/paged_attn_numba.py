@@ -172,11 +172,13 @@ def decode_kernel(head_size: int, group: int):
     order of every sum is still fixed at compile time, so the batch still
     changes no bit of a sequence's output.
 
-    Numba's disk cache keys a closure by the values it captures: each
-    (head_size, group) is compiled once per checkout, not once per process.
+    Compiled once per checkout (about 5 s) into Numba's disk cache, under a
+    qualified name of its own per (head_size, group): Numba numbers a new
+    entry's file from the index it read, without a lock, so two processes
+    adding different shapes to one shared index at once could leave it
+    pointing at a kernel built for another head size.
     """
 
-    @numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
     def _paged_attention_decode(
         out: np.ndarray,  # [num_seqs, num_heads, head_size]
         query: np.ndarray,  # [num_seqs, num_heads, head_size]
@@ -254,4 +256,7 @@ def decode_kernel(head_size: int, group: int):
                 for d in range(head_size):
                     out[seq, first_head + h, d] = acc[h, d] * inv_sums[h]
 
-    return _paged_attention_decode
+    _paged_attention_decode.__qualname__ = f"decode_kernel_{head_size}_{group}"
+    return numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})(
+        _paged_attention_decode
+    )
