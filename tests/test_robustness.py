@@ -123,6 +123,25 @@ def test_numba_kernel_refuses_out_of_bounds_tables(edit, message):
         paged_attention_decode(*args)
 
 
+@pytest.mark.parametrize(
+    ("index", "change", "message"),
+    [
+        (1, lambda a: a.astype(np.float16), "query must be a C-contiguous float32 array"),
+        (2, lambda a: a.astype(np.float64), "key_cache must be a C-contiguous float32"),
+        (4, lambda a: a.astype(np.int32), "block_tables must be a C-contiguous int64"),
+        (5, lambda a: a.astype(np.int32), "seq_lens must be a C-contiguous int64"),
+        (3, lambda a: np.asfortranarray(a), "value_cache .*, got float32, not C-contiguous"),
+    ],
+)
+def test_numba_kernel_refuses_what_it_was_not_compiled_for(index, change, message):
+    """The kernel has one signature (so one disk-cache entry per shape): any
+    other dtype or layout is refused by name, not left to Numba's type error."""
+    args = numba_args(make_decode_case([9, 17], 4, 2, 16, 8))
+    args[index] = change(args[index])
+    with pytest.raises(ValueError, match=message):
+        paged_attention_decode(*args)
+
+
 def test_batch_builder_refuses_a_multi_token_decode():
     meta = SequenceGroupMetadata(
         request_id="r", is_prompt=False, seq_data={}, sampling_params=SamplingParams(),

@@ -143,6 +143,17 @@ def paged_attention_decode(
             f"block numbers must be in [0, {len(key_cache)}), got "
             f"{block_tables.min()}..{block_tables.max()}"
         )
+    for name, array, dtype in (
+        ("out", out, np.float32), ("query", query, np.float32),
+        ("key_cache", key_cache, np.float32), ("value_cache", value_cache, np.float32),
+        ("block_tables", block_tables, np.int64), ("seq_lens", seq_lens, np.int64),
+    ):  # fmt: skip
+        if array.dtype != dtype or not array.flags.c_contiguous:
+            layout = "C-contiguous" if array.flags.c_contiguous else "not C-contiguous"
+            raise ValueError(
+                f"{name} must be a C-contiguous {np.dtype(dtype).name} array "
+                f"(DECODE_SIGNATURE), got {array.dtype}, {layout}"
+            )
     # Items per sequence: enough for every thread when sequences are few.
     num_kv_heads = key_cache.shape[2]
     items_per_seq = min(num_kv_heads, -(-numba.get_num_threads() // max(len(seq_lens), 1)))
@@ -151,13 +162,28 @@ def paged_attention_decode(
     kernel(out, query, key_cache, value_cache, block_tables, seq_lens, scale, kv_heads_per_item)
 
 
+# What the kernel is compiled for, and all it accepts: float32 arrays and int64
+# tables, C-contiguous, as the Numba backend passes them (`.numpy()` of its tensors).
+_F32_3D, _F32_4D = numba.float32[:, :, ::1], numba.float32[:, :, :, ::1]
+DECODE_SIGNATURE = types.void(
+    _F32_3D,  # out
+    _F32_3D,  # query
+    _F32_4D,  # key_cache
+    _F32_4D,  # value_cache
+    numba.int64[:, ::1],  # block_tables
+    numba.int64[::1],  # seq_lens
+    types.float64,  # scale
+    types.int64,  # kv_heads_per_item
+)
+
+
 @functools.cache
 def decode_kernel(head_size: int, group: int):
     """The kernel for one head size and GQA group (query heads per KV head),
-    compiled on first use: both are constants inside it, as vLLM's CPU kernel
-    takes HEAD_SIZE as a template parameter and instantiates it per head size
-    (csrc/cpu/attention.cpp, `paged_attention_v1_impl<scalar_t, HEAD_SIZE,
-    BLOCK_SIZE>`).
+    compiled when first asked for: both are constants inside it, as vLLM's
+    CPU kernel takes HEAD_SIZE as a template parameter and instantiates it per
+    head size (csrc/cpu/attention.cpp, `paged_attention_v1_impl<scalar_t,
+    HEAD_SIZE, BLOCK_SIZE>`).
 
     A head's row is short: 64 floats fill 8 AVX2 registers (4 of AVX-512's).
     With `head_size` known, LLVM unrolls each row loop into those few
@@ -172,11 +198,14 @@ def decode_kernel(head_size: int, group: int):
     order of every sum is still fixed at compile time, so the batch still
     changes no bit of a sequence's output.
 
-    Compiled once per checkout (about 5 s) into Numba's disk cache, under a
-    qualified name of its own per (head_size, group): Numba numbers a new
-    entry's file from the index it read, without a lock, so two processes
-    adding different shapes to one shared index at once could leave it
-    pointing at a kernel built for another head size.
+    Compiled once per checkout (about 5 s) into Numba's disk cache, for one
+    signature (`DECODE_SIGNATURE`) under a qualified name of its own per
+    (head_size, group), so every cache index holds exactly one entry. Numba
+    adds an entry to an index by reading it, numbering the entry's file after
+    the first free number and writing both back, without a lock: two
+    processes adding *different* entries to one index at once could both
+    take number 1 and leave the index pointing at a kernel built for another
+    head size. Processes that write the same single entry write the same thing.
     """
 
     def _paged_attention_decode(
@@ -257,6 +286,6 @@ def decode_kernel(head_size: int, group: int):
                     out[seq, first_head + h, d] = acc[h, d] * inv_sums[h]
 
     _paged_attention_decode.__qualname__ = f"decode_kernel_{head_size}_{group}"
-    return numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})(
-        _paged_attention_decode
-    )
+    return numba.njit(
+        DECODE_SIGNATURE, parallel=True, cache=True, fastmath={"reassoc", "contract"}
+    )(_paged_attention_decode)

@@ -112,6 +112,9 @@ def _check_args(
         )
 
 
+# One signature only, as `gemv` builds every argument (float32, contiguous, an
+# int chunk), so its disk-cache index holds one entry: Numba adds an entry to
+# an index without a lock (see attention/ops/paged_attn_numba.py::decode_kernel).
 @numba.njit(parallel=True, cache=True, fastmath={"contract"})
 def _gemv(
     x: np.ndarray,  # [num_rows, in]
