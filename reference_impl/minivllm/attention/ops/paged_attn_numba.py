@@ -103,7 +103,9 @@ def exp_nonpositive(x: float) -> float:
     stops being normal) it returns exp(-87), which is 0 to a softmax; NaN
     stays NaN, so a poisoned score still shows."""
     x = np.float32(-87.0) if x < np.float32(-87.0) else x
-    k = math.floor(x * _LOG2_E + np.float32(0.5))
+    # k as a float32: an integer k would make every product below float64,
+    # half as many SIMD lanes, for accuracy a float32 result cannot keep.
+    k = np.float32(math.floor(x * _LOG2_E + np.float32(0.5)))
     r = x - k * _LN2_HIGH - k * _LN2_LOW
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
@@ -111,7 +113,7 @@ def exp_nonpositive(x: float) -> float:
     p = p * r + np.float32(4.1665795894e-2)
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
-    return (p * r * r + r + np.float32(1.0)) * _float32_from_bits(np.int32(k + 127) << 23)
+    return (p * r * r + r + np.float32(1.0)) * _float32_from_bits(np.int32(k) + 127 << 23)
 
 
 def paged_attention_decode(
