@@ -5,17 +5,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.model_executor.custom_op import CustomOp
+from minivllm.model_executor.layers import cpu_ops_numba
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(CustomOp):
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 like the
     Hugging Face reference so that half-precision runs round the same way.
 
     Given `residual`, as vLLM's RMSNorm: first `x + residual`, which becomes
     the new residual, then the norm of it; returns (normed, new residual).
     A decoder layer's residual add and the next norm are one call this way,
-    which vLLM's CUDA kernel (`fused_add_rms_norm`) does in place in one pass
-    over the hidden states. Here the add is done in place into `x`, the
-    sublayer's output, which nothing else reads.
+    which vLLM's kernel (`fused_add_rms_norm`) does in place in one pass over
+    the hidden states. Both `x`, the sublayer's output, and the residual may
+    be overwritten: nothing else reads them.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -23,7 +26,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(
+    def forward_native(
         self,
         x: torch.Tensor,  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
@@ -32,6 +35,20 @@ class RMSNorm(nn.Module):
             residual = x.add_(residual)
             return self._norm(residual), residual
         return self._norm(x)
+
+    def forward_cpu(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One Numba pass (float32; other dtypes run the native code)."""
+        tensors = (x, self.weight) if residual is None else (x, residual, self.weight)
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+            return self.forward_native(x, residual)
+        if residual is None:
+            return cpu_ops_numba.rms_norm(x, self.weight, self.variance_epsilon)
+        cpu_ops_numba.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        return x, residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 from transformers import PretrainedConfig
+
+from minivllm.model_executor.custom_op import CustomOp
+from minivllm.model_executor.layers import cpu_ops_numba
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -40,7 +42,7 @@ def rope_parameters(config: PretrainedConfig) -> tuple[float, dict]:
     return float(getattr(config, "rope_theta", 10000.0)), scaling
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     def __init__(self, head_size: int, max_position: int, config: PretrainedConfig) -> None:
         super().__init__()
         self.head_size = head_size
@@ -60,7 +62,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def forward(
+    def forward_native(
         self,
         positions: torch.Tensor,  # [num_tokens]
         query: torch.Tensor,  # [num_tokens, num_heads * head_size]
@@ -69,6 +71,21 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions][:, None, :]  # [num_tokens, 1, head_size / 2]
         sin = self.sin_cache[positions][:, None, :]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def forward_cpu(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Numba pass, the native bits (float32 with unit-stride rows, as
+        the split of the fused qkv projection gives; else native)."""
+        native = positions.dtype != torch.int64 or not positions.is_contiguous()
+        if native or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (query, key)):
+            return self.forward_native(positions, query, key)
+        return cpu_ops_numba.rotary_embedding(
+            positions, query, key, self.head_size, self.cos_cache, self.sin_cache
+        )
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]

@@ -1,0 +1,40 @@
+"""`CustomOp`: a layer with a plain PyTorch forward and a faster one for a platform.
+
+vLLM writes its small, frequent layers (RMSNorm, rotary embedding, ...) as
+`CustomOp`s (vllm/model_executor/custom_op.py): `forward_native` is the
+reference in PyTorch operators, and `forward_cuda`, `forward_cpu`, ... call
+the platform's own kernels (`vllm._custom_ops`, built from csrc/). Eagerly,
+a decode step of a small batch is mostly the fixed cost of launching
+operators: an RMSNorm is seven of them, a rotary embedding a dozen, each a
+few microseconds of dispatch for a few hundred floats of work. One kernel
+per layer removes that. Under Inductor vLLM turns the custom ops off
+(`CompilationConfig.custom_ops`), so that the compiler sees the native code
+and fuses it with its neighbours, which an opaque kernel would prevent.
+
+Ours has `forward_native` and `forward_cpu` only: on a GPU these layers run
+their native forward (we have no CUDA kernels for them; vLLM has). And it
+chooses on every call, where vLLM chooses once, when the layer is built:
+our layers are built before the engine knows whether it will compile them,
+so the call asks `torch.compiler.is_compiling()`, as `Attention` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CustomOp(nn.Module):
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        """`forward_cpu` for CPU tensors run eagerly, else `forward_native`."""
+        if x.is_cpu and not torch.compiler.is_compiling():
+            return self.forward_cpu(x, *args, **kwargs)
+        return self.forward_native(x, *args, **kwargs)
+
+    def forward_native(self, *args, **kwargs):
+        """The reference, in PyTorch operators: any device, traceable."""
+        raise NotImplementedError
+
+    def forward_cpu(self, *args, **kwargs):
+        """The CPU's kernels; by default the reference."""
+        return self.forward_native(*args, **kwargs)
