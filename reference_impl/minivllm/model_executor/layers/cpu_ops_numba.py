@@ -20,10 +20,13 @@ What they compute, against `forward_native`:
 They are serial: a decode step's rows are few, and waking a thread pool
 costs more than the work. Each is compiled for one signature (float32), so
 its Numba disk-cache index holds one entry
-(attention/ops/paged_attn_numba.py::decode_kernel says why that matters).
+(attention/ops/paged_attn_numba.py::decode_kernel says why that matters),
+and at its first call, not at import: a run on a GPU never calls them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numba
 import numpy as np
@@ -34,7 +37,18 @@ _ROWS = numba.float32[:, ::1]  # [num_tokens, hidden_size], C-contiguous
 _VECTOR = numba.float32[::1]
 
 
-@numba.njit(types.float32(_VECTOR), cache=True, fastmath={"reassoc"})
+def _compiled_at_first_call(signature):
+    """`numba.njit(signature, cache=True)`, compiled (or loaded from the disk
+    cache) when first called: with a signature, Numba compiles at import."""
+
+    def decorate(fn):
+        kernel = functools.cache(lambda: numba.njit(signature, cache=True)(fn))
+        return functools.wraps(fn)(lambda *args: kernel()(*args))
+
+    return decorate
+
+
+@numba.njit(fastmath={"reassoc"})
 def _mean_square(row: np.ndarray) -> np.float32:
     """mean(row ** 2), summed in SIMD lanes: `reassoc` here only, so the
     element-wise arithmetic of the callers keeps the native rounding."""
@@ -44,7 +58,7 @@ def _mean_square(row: np.ndarray) -> np.float32:
     return total / np.float32(row.size)
 
 
-@numba.njit(types.void(_ROWS, _ROWS, _VECTOR, types.float32), cache=True)
+@_compiled_at_first_call(types.void(_ROWS, _ROWS, _VECTOR, types.float32))
 def _rms_norm(out, x, weight, eps):
     for i in range(x.shape[0]):
         inv_rms = np.float32(1.0) / np.sqrt(_mean_square(x[i]) + eps)
@@ -52,7 +66,7 @@ def _rms_norm(out, x, weight, eps):
             out[i, j] = weight[j] * (x[i, j] * inv_rms)
 
 
-@numba.njit(types.void(_ROWS, _ROWS, _VECTOR, types.float32), cache=True)
+@_compiled_at_first_call(types.void(_ROWS, _ROWS, _VECTOR, types.float32))
 def _fused_add_rms_norm(x, residual, weight, eps):
     for i in range(x.shape[0]):
         for j in range(x.shape[1]):
@@ -85,7 +99,7 @@ def fused_add_rms_norm(
 _STRIDED_ROWS = numba.float32[:, :]  # rows may be strided: views of the fused qkv projection
 
 
-@numba.njit(
+@_compiled_at_first_call(
     types.void(
         numba.int64[::1],  # positions [num_tokens]
         _STRIDED_ROWS,  # query [num_tokens, num_heads * head_size]
@@ -95,8 +109,7 @@ _STRIDED_ROWS = numba.float32[:, :]  # rows may be strided: views of the fused q
         _ROWS,  # cos [max_position, head_size / 2]
         _ROWS,  # sin
         types.int64,  # head_size
-    ),
-    cache=True,
+    )
 )
 def _rotary_embedding(positions, query, key, query_out, key_out, cos_cache, sin_cache, head_size):
     half = head_size // 2
