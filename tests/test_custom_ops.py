@@ -7,8 +7,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from minivllm import LLM, SamplingParams
 from minivllm.model_executor.layers.layernorm import RMSNorm
 from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from tests.hf_oracle import make_prompts
 
 HEAD_SIZE = 32
 
@@ -102,6 +104,84 @@ def test_other_dtypes_and_layouts_run_the_native_code():
     want = rope.forward_native(positions, q, k)
     got = rope(positions, q, k)  # int32 positions: the native path
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def outcome(fn):
+    """What a call gives: its tensors, or the type of what it raised."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 - the type is the outcome
+        return type(error)
+
+
+def assert_same_outcome(got, want):
+    if isinstance(want, type):
+        assert got is want
+    else:
+        for g, w in zip(got if isinstance(got, tuple) else (got,),
+                        want if isinstance(want, tuple) else (want,), strict=True):
+            torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", [
+    "wider rows than the weight", "a residual broadcast over the rows",
+    "a column-major residual", "one row as a vector", "x that requires grad",
+])
+def test_rms_norm_runs_what_its_kernel_cannot_read_natively(case):
+    """The kernel checks no bounds: every shape it was not written for goes
+    to the native code, which computes it (or raises) as it always did."""
+    norm, x, residual = norm_and_inputs(4)
+    args = {
+        "wider rows than the weight": (torch.randn(2, 2 * x.shape[1]),),
+        "a residual broadcast over the rows": (x, residual[:1]),
+        "a column-major residual": (x, residual.t().contiguous().t()),
+        "one row as a vector": (x[0],),
+        "x that requires grad": (x.clone().requires_grad_(),),
+    }[case]
+
+    def call(forward):
+        return outcome(lambda: forward(*(a.clone() for a in args)))
+
+    assert_same_outcome(call(norm), call(norm.forward_native))
+
+
+@pytest.mark.parametrize("case", [
+    "fewer positions than rows", "more positions than rows", "a key of part of a head",
+    "half-precision rows", "contiguous rows", "positions as a column",
+])
+def test_rotary_runs_what_its_kernel_cannot_read_natively(case):
+    rope = rotary()
+    q, k = split_qkv(4, 4, 2)
+    positions = torch.tensor([0, 3, 7, 250])
+    args = {
+        "fewer positions than rows": (positions[:2], q, k),
+        "more positions than rows": (torch.cat([positions, positions]), q, k),
+        "a key of part of a head": (positions, q, k[:, : HEAD_SIZE + HEAD_SIZE // 2]),
+        "half-precision rows": (positions, q.half(), k.half()),
+        "contiguous rows": (positions, q.contiguous(), k.contiguous()),
+        "positions as a column": (positions[:, None], q, k),
+    }[case]
+    assert_same_outcome(outcome(lambda: rope(*args)), outcome(lambda: rope.forward_native(*args)))
+
+
+def test_the_engine_gives_the_same_tokens_with_and_without_the_cpu_kernels(
+    tiny_model_dir, monkeypatch
+):
+    """Through every layer of a model: the first layer's plain norm, the
+    fused norms carrying the residual, the final norm, rotary at every
+    position. Greedy tokens equal, and their logprobs within float32 noise."""
+    llm = LLM(tiny_model_dir("llama"), num_gpu_blocks_override=64)
+    prompts = make_prompts(llm.llm_engine.model_config.hf_config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
+    with_kernels = llm.generate(prompts, params, use_tqdm=False)
+    for layer in (RMSNorm, RotaryEmbedding):
+        monkeypatch.setattr(layer, "forward_cpu", layer.forward_native)
+    native = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(with_kernels, native, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(
+            b.outputs[0].cumulative_logprob, abs=1e-4
+        )
 
 
 def test_torch_compile_traces_the_native_forward():

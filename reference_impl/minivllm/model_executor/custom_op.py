@@ -13,9 +13,11 @@ and fuses it with its neighbours, which an opaque kernel would prevent.
 
 Ours has `forward_native` and `forward_cpu` only: on a GPU these layers run
 their native forward (we have no CUDA kernels for them; vLLM has). And it
-chooses on every call, where vLLM chooses once, when the layer is built:
-our layers are built before the engine knows whether it will compile them,
-so the call asks `torch.compiler.is_compiling()`, as `Attention` does.
+chooses on every call, where vLLM chooses once, when the layer is built,
+from the engine's config (`get_current_vllm_config()`, set while the model
+is built). Our layers take no config (a notebook builds them outside any
+engine), so the call asks `torch.compiler.is_compiling()`, as `Attention`
+does.
 """
 
 from __future__ import annotations

@@ -2,13 +2,15 @@
 
 vLLM's CPU build has C++ kernels for these (csrc/cpu/layernorm.cpp,
 csrc/cpu/pos_encoding.cpp), called through `vllm._custom_ops` as
-`rms_norm`, `fused_add_rms_norm` and `rotary_embedding`, in place as the
-norms are here (`rotary_embedding` says why ours is not). Each is one pass
+`rms_norm` (into a new tensor), `fused_add_rms_norm` (in place) and
+`rotary_embedding` (in place; ours is not, and says why). Each is one pass
 over the rows instead of the 7-12 PyTorch operators of the layer's
 `forward_native`, whose fixed cost dominates a decode step of a few
 sequences.
 
-What they compute, against `forward_native`:
+Compiled code checks no bounds: the layers call these only with shapes
+they have checked (`_kernel_fits`). What they compute, against
+`forward_native`:
 - `rotary_embedding`: the same bits. Each output is one product, one
   product and one sum or difference, rounded in the same order as the
   native operators; no `fastmath`, so LLVM fuses no multiply-add.

@@ -112,9 +112,10 @@ def _check_args(
         )
 
 
-# One signature only, as `gemv` builds every argument (float32, contiguous, an
-# int chunk), so its disk-cache index holds one entry: Numba adds an entry to
-# an index without a lock (see attention/ops/paged_attn_numba.py::decode_kernel).
+# Compiled for the argument types of the first call, and `gemv` builds every
+# argument alike (float32, contiguous, an int chunk): one signature in practice,
+# so its disk-cache index holds one entry. Numba adds an entry to an index
+# without a lock (attention/ops/paged_attn_numba.py::decode_kernel).
 @numba.njit(parallel=True, cache=True, fastmath={"contract"})
 def _gemv(
     x: np.ndarray,  # [num_rows, in]

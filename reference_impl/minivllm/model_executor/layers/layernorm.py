@@ -41,14 +41,25 @@ class RMSNorm(CustomOp):
         x: torch.Tensor,  # [num_tokens, hidden_size]
         residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One Numba pass (float32; other dtypes run the native code)."""
-        tensors = (x, self.weight) if residual is None else (x, residual, self.weight)
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        """One Numba pass, for what the kernels read without bounds checks:
+        float32 rows of the weight's width, a residual of the same shape,
+        contiguous, no autograd. Anything else runs the native code."""
+        if not self._kernel_fits(x, residual):
             return self.forward_native(x, residual)
         if residual is None:
             return cpu_ops_numba.rms_norm(x, self.weight, self.variance_epsilon)
         cpu_ops_numba.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         return x, residual
+
+    def _kernel_fits(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        tensors = (x, self.weight) if residual is None else (x, residual, self.weight)
+        return (
+            x.dim() == 2
+            and self.weight.shape == (x.shape[1],)
+            and (residual is None or residual.shape == x.shape)
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and not (x.requires_grad or (residual is not None and residual.requires_grad))
+        )
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -78,13 +78,28 @@ class RotaryEmbedding(CustomOp):
         query: torch.Tensor,  # [num_tokens, num_heads * head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One Numba pass, the native bits (float32 with unit-stride rows, as
-        the split of the fused qkv projection gives; else native)."""
-        native = positions.dtype != torch.int64 or not positions.is_contiguous()
-        if native or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in (query, key)):
+        """One Numba pass, the native bits, for what the kernel reads without
+        bounds checks: int64 positions, one per row of float32 query and key
+        rows of whole heads, unit stride within a row (as the split of the
+        fused qkv projection gives), no autograd. Anything else runs native."""
+        if not self._kernel_fits(positions, query, key):
             return self.forward_native(positions, query, key)
         return cpu_ops_numba.rotary_embedding(
             positions, query, key, self.head_size, self.cos_cache, self.sin_cache
+        )
+
+    def _kernel_fits(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> bool:
+        rows = (query, key)
+        return (
+            positions.dtype == torch.int64
+            and positions.dim() == 1
+            and positions.is_contiguous()
+            and all(t.dim() == 2 and t.shape[0] == positions.shape[0] for t in rows)
+            and all(t.shape[1] % self.head_size == 0 for t in rows)
+            and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in rows)
+            and not (query.requires_grad or key.requires_grad)
         )
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
