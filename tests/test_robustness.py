@@ -131,6 +131,8 @@ def test_numba_kernel_refuses_out_of_bounds_tables(edit, message):
         (4, lambda a: a.astype(np.int32), "block_tables must be a C-contiguous int64"),
         (5, lambda a: a.astype(np.int32), "seq_lens must be a C-contiguous int64"),
         (3, lambda a: np.asfortranarray(a), "value_cache .*, got float32, not C-contiguous"),
+        (0, lambda a: a.astype(np.float64), "out must be a C-contiguous float32"),
+        (1, lambda a: np.repeat(a, 2, axis=2)[:, :, ::2], "query .*, not C-contiguous"),
     ],
 )
 def test_numba_kernel_refuses_what_it_was_not_compiled_for(index, change, message):
