@@ -8,8 +8,9 @@ a decode step of a small batch is mostly the fixed cost of launching
 operators: an RMSNorm is seven of them, a rotary embedding a dozen, each a
 few microseconds of dispatch for a few hundred floats of work. One kernel
 per layer removes that. Under Inductor vLLM turns the custom ops off
-(`CompilationConfig.custom_ops`), so that the compiler sees the native code
-and fuses it with its neighbours, which an opaque kernel would prevent.
+(`VLLM_CUSTOM_OPS` in v0.6, later `CompilationConfig.custom_ops`), so that
+the compiler sees the native code and fuses it with its neighbours, which an
+opaque kernel would prevent.
 
 Ours has `forward_native` and `forward_cpu` only: on a GPU these layers run
 their native forward (we have no CUDA kernels for them; vLLM has). And it

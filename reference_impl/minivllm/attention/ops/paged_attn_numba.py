@@ -113,7 +113,7 @@ def exp_nonpositive(x: float) -> float:
     p = p * r + np.float32(4.1665795894e-2)
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
-    return (p * r * r + r + np.float32(1.0)) * _float32_from_bits(np.int32(k) + 127 << 23)
+    return (p * r * r + r + np.float32(1.0)) * _float32_from_bits((np.int32(k) + 127) << 23)
 
 
 def paged_attention_decode(
