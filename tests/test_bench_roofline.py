@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from minivllm import LLM
 from tools.bench import roofline
-from tools.bench.common import MODEL_PRESETS
+from tools.bench.common import MODEL_PRESETS, sample_requests
 from tools.bench.profiling import profile_steps
 from tools.bench.roofline import (
     ModelShape,
@@ -62,6 +62,20 @@ def test_the_20m_models_weights_by_hand():
     assert work.attention_flops == 7 * 4 * 8 * 64 * 257
     assert work.attention_bytes == 7 * 4 * (2 * 257 * 4 * 64 + 2 * 8 * 64)
     assert work.kv_write_bytes == 7 * 4 * 2 * 4 * 64
+
+
+def test_floors_of_a_made_up_step_by_hand():
+    """Peak 100 GFLOP/s, bandwidth 10 GB/s. Products of 2 GFLOP over 0.1 GB
+    of weights: 20 ms of FLOPs, 10 ms of bytes. Attention of 0.05 GFLOP over
+    0.3 GB (K/V read) + 0.02 GB (written): 0.5 ms and 32 ms. The roofline's
+    floor is the larger of the step's totals, max(20.5, 42) = 42 ms; the
+    parts one after another, 20 + 32 = 52 ms."""
+    limits = roofline.Limits(100e9, 10e9, threads=1)
+    work = roofline.StepWork(matmul_flops=2 * 10**9, attention_flops=5 * 10**7,
+                             weight_bytes=10**8, attention_bytes=3 * 10**8,
+                             kv_write_bytes=2 * 10**7)
+    assert math.isclose(roofline.floor_seconds(work, limits), 0.042)
+    assert math.isclose(roofline.phases_floor_seconds(work, limits), 0.052)
 
 
 def test_decode_attention_counts_match_day8_oracles():
@@ -172,7 +186,7 @@ def test_quick_run_end_to_end(tmp_path, capsys, restore_threads):
     result = json.loads(out.read_text())
     assert "% bookkeeping" in capsys.readouterr().out
     rows = {r["step"]: r for r in result["rows"]}
-    assert list(rows) == ["decode b=1", "decode b=8", "prefill 2x64"]
+    assert list(rows) == ["decode b=1", "decode b=8", "prefill 2x64", "workload"]
     assert result["config"]["attention_backend"] == "numba"
     model = ModelShape(**result["config"]["model_shape"])
     prefill = rows["prefill 2x64"]
@@ -180,9 +194,29 @@ def test_quick_run_end_to_end(tmp_path, capsys, restore_threads):
     decode = rows["decode b=8"]
     assert (decode["tokens"], decode["sequences"]) == (8, 8)
     assert 65 <= decode["context"] <= 68
-    for row in result["rows"]:
+    for row in result["rows"][:3]:
         assert len(row["step_seconds"]) == 3
         assert math.isclose(sum(row["shares"].values()), 1.0, rel_tol=1e-6)
         assert row["fraction_of_peak"] > 0 and row["fraction_of_bandwidth"] > 0
     limits = result["limits"]
     assert limits["threads"] == 1 and limits["matmul_flops"] > 0
+    _check_the_workloads_row(rows["workload"], model, limits)
+
+
+def _check_the_workloads_row(row: dict, model: ModelShape, limits: dict) -> None:
+    """The quick workload (4 requests, all at once, batch 4, no preemption):
+    every prompt token and every output token but the last goes through the
+    model once, and every output token is sampled from one row of logits."""
+    requests = sample_requests(roofline.QUICK.workload, model.vocab_size)
+    tokens = sum(r.total_len - 1 for r in requests)
+    sampled = sum(r.output_len for r in requests)
+    assert row["tokens"] == tokens and row["sequences"] == 4
+    assert row["work"]["matmul_flops"] == 2 * (model.token_matmul_params * tokens
+                                               + model.lm_head_params * sampled)
+    assert row["spread"] is None and len(row["step_seconds"]) == 1
+    assert math.isclose(sum(row["shares"].values()), 1.0, rel_tol=1e-6)
+    # Summed per step, the floors are at least the floor of the summed work.
+    whole = roofline.floor_seconds(roofline.StepWork(**row["work"]),
+                                   roofline.Limits(limits["matmul_flops"],
+                                                   limits["read_bandwidth"], 1))
+    assert whole <= row["roofline_seconds"] <= row["phases_floor_seconds"] < row["seconds"]

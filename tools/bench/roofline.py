@@ -14,6 +14,13 @@ CPU, the default attention backend: the Numba decode kernel) runs
   at batch 64 the K/V read outweighs the weights), and
 - prefill steps of 4 prompts of 256 tokens (1024 tokens in one step),
 
+- the throughput benchmark's workload, start to finish (`Plan.workload`:
+  64 requests of 16-256 prompt and 16-256 output tokens, all at once, on an
+  engine set up as `tools/bench/throughput.py`'s at batch 64), once timed
+  and once profiled step by step: the issue's FLOP/s target is a rate
+  *during the throughput run*, and there steps of every size and context
+  follow each other,
+
 and for each kind of step reports:
 
 1. its wall time (median of 10 steps after 3 warm-up steps, no profiler),
@@ -39,6 +46,12 @@ The profiler adds a few µs per operator, so the split is of the profiled
 step (its time is shown beside the wall time); the wall time and the rates
 in (3) are measured without it.
 
+The workload's row is of the whole run: its time, its work summed over its
+steps, and its limit the sum of each step's own (the larger floor of each
+step: steps run one after another, so their floors add up; the floor of
+the summed work would let a prefill's FLOPs hide a decode's bytes). Its
+split and its matmul rate are over every profiled step.
+
 Counting conventions (the tests check them against FlopCounterMode on the
 real model and against Day 8's decode oracles):
 - attention FLOPs are what the backends compute: every query row against
@@ -51,7 +64,7 @@ real model and against Day 8's decode oracles):
   the block table is counted as one read of its tokens (the floor).
 - biases (Qwen2's q/k/v) and the embedding rows gathered are left out.
 
-    python -m tools.bench.roofline                  # ~1-2 min on 2 cores
+    python -m tools.bench.roofline                  # ~2 min on 2 cores
     python -m tools.bench.roofline --threads 1
     python -m tools.bench.roofline --quick          # batches 1 and 8, shorter
 """
@@ -60,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -74,14 +88,18 @@ from minivllm.worker.model_runner import FlatBatch
 from tools.bench import machine
 from tools.bench.common import (
     FIRST_ORDINARY_TOKEN,
+    WorkloadSpec,
     add_model_args,
     make_bench_model,
     percentile,
     print_table,
+    sample_requests,
     set_threads,
     write_result,
 )
 from tools.bench.profiling import in_model_matmul, innermost_label, profile_steps
+from tools.bench.throughput import engine_counters, engine_run
+from tools.bench.throughput import make_engine as make_throughput_engine
 
 BLOCK_SIZE = 16
 
@@ -368,6 +386,9 @@ class Plan:
     warmup: int = 3
     steps: int = 10
     profile_steps: int = 3
+    # The throughput benchmark's (its defaults) and its engine's batch; None: skipped.
+    workload: WorkloadSpec | None = WorkloadSpec()
+    workload_max_num_seqs: int = 64
 
     @property
     def decode_tokens(self) -> int:
@@ -388,8 +409,10 @@ class Plan:
         return self.max_num_seqs * -(-self.max_model_len // BLOCK_SIZE) + 1
 
 
+WORKLOAD = "workload"  # the name of the workload's row
+
 QUICK = Plan(batch_sizes=(1, 8), prompt_len=64, prefill_prompts=2, warmup=1, steps=3,
-             profile_steps=1)
+             profile_steps=1, workload=WorkloadSpec(4, 8, 32, 4, 12), workload_max_num_seqs=4)
 
 
 def make_engine(model_dir: str, plan: Plan, attention_backend: str | None) -> LLM:
@@ -447,6 +470,41 @@ def run_prefill(llm: LLM, plan: Plan, rng: random.Random) -> StepsRun:
     return run
 
 
+def run_workload(model_dir: str, plan: Plan, attention_backend: str | None) -> StepsRun:
+    """The throughput benchmark's workload on an engine set up as that
+    benchmark's (`max_num_seqs` = plan.workload_max_num_seqs, the KV memory
+    of that many requests of max_model_len): after a warm-up of two short
+    requests, once timed (`run.seconds` holds the whole run's time) and once
+    profiled, every step. The schedule depends only on the workload, so
+    both runs take the same steps (checked)."""
+    spec, batch = plan.workload, plan.workload_max_num_seqs
+    kv_tokens = batch * spec.max_model_len
+    llm = make_throughput_engine(model_dir, batch, kv_tokens, spec.max_model_len,
+                                 attention_backend=attention_backend)
+    requests = sample_requests(spec, llm.llm_engine.model_config.hf_config.vocab_size)
+    engine_run(llm, [dataclasses.replace(r, output_len=4) for r in requests[:2]], "warm-up",
+               batch, kv_tokens)
+    run = StepsRun()
+    with recording_shapes(llm) as shapes:
+        timed = engine_run(llm, requests, "workload", batch, kv_tokens)
+    run.seconds, run.shapes = timed.seconds, shapes
+    if timed.num_preemptions:
+        raise RuntimeError(f"the workload preempted {timed.num_preemptions} times")
+    preemptions = engine_counters(llm)[0]
+    for i, r in enumerate(requests):
+        llm.llm_engine.add_request(f"w{i}", {"prompt_token_ids": r.prompt_token_ids},
+                                   greedy(r.output_len))
+    with recording_shapes(llm) as profiled:
+        run.events = profile_steps(llm, len(shapes))
+    run.profiled_shapes = profiled
+    if llm.llm_engine.has_unfinished_requests() or engine_counters(llm)[0] != preemptions:
+        drain(llm)
+        raise RuntimeError("the profiled run of the workload did not take the timed run's steps")
+    if run.profiled_shapes != run.shapes:
+        raise RuntimeError("the profiled run of the workload did not take the timed run's steps")
+    return run
+
+
 def expect_steps(run: StepsRun, what: str, ok) -> None:
     """Every measured step ran the batch intended (no preemption, no split prefill)."""
     shapes = run.shapes + run.profiled_shapes
@@ -486,31 +544,68 @@ def best_limits(*measured: Limits) -> Limits:
                   max(m.read_bandwidth for m in measured), measured[0].threads)
 
 
-def _mean_work(model: ModelShape, shapes: list[StepShape]) -> StepWork:
+def _combined_work(model: ModelShape, shapes: list[StepShape], combine) -> StepWork:
+    """Each field of the steps' work combined: `statistics.fmean` or `sum`."""
     works = [step_work(model, s) for s in shapes]
-    return StepWork(*(round(statistics.fmean(getattr(w, f) for w in works))
+    return StepWork(*(round(combine(getattr(w, f) for w in works))
                       for f in StepWork.__dataclass_fields__))
 
 
-def summarize(name: str, run: StepsRun, model: ModelShape, limits: Limits) -> dict:
-    """One row of the report (a JSON-able dict): work, rates, fractions, split."""
-    seconds = statistics.median(run.seconds)
-    work = _mean_work(model, run.shapes)
-    profiled_work = _mean_work(model, run.profiled_shapes)
-    n_prof = len(run.profiled_shapes)
-    parts = {k: v / n_prof for k, v in time_by_part(run.events).items()}  # µs per step
-    step_us = profiled_step_us(run.events) / n_prof
-    limit_s = max(work.flops / limits.matmul_flops, work.bytes / limits.read_bandwidth)
-    shape = run.shapes[0]
+def floor_seconds(work: StepWork, limits: Limits) -> float:
+    """The roofline's limit for one step: the larger of its two floors."""
+    return max(work.flops / limits.matmul_flops, work.bytes / limits.read_bandwidth)
+
+
+def phases_floor_seconds(work: StepWork, limits: Limits) -> float:
+    """A stricter floor, for an engine that runs a step's parts one after
+    another on the same cores, as ours does layer by layer: the products'
+    floor (their FLOPs or the weights they read, whichever takes longer)
+    plus attention's (its FLOPs or its bytes, the new K/V included). While
+    the products are bound by FLOPs the memory idles, and while decode
+    attention is bound by bytes the arithmetic idles; the roofline's single
+    floor for the whole step assumes each hides the other."""
+    products = max(work.matmul_flops / limits.matmul_flops,
+                   work.weight_bytes / limits.read_bandwidth)
+    attention = max(work.attention_flops / limits.matmul_flops,
+                    (work.attention_bytes + work.kv_write_bytes) / limits.read_bandwidth)
+    return products + attention
+
+
+def summarize(name: str, run: StepsRun, model: ModelShape, limits: Limits,
+              whole_run: bool = False) -> dict:
+    """One row of the report (a JSON-able dict): work, rates, fractions, split.
+    Per step (the median step, the mean work), or with `whole_run` of the
+    whole run (its one time, the work and the limits of its steps summed)."""
+    if whole_run:
+        (seconds,) = run.seconds
+        work = _combined_work(model, run.shapes, sum)
+        profiled_work = _combined_work(model, run.profiled_shapes, sum)
+        per = 1  # the parts are of the whole profiled run
+        steps = [step_work(model, s) for s in run.shapes]
+        limit_s = sum(floor_seconds(w, limits) for w in steps)
+        phases_s = sum(phases_floor_seconds(w, limits) for w in steps)
+        spread = None
+    else:
+        seconds = statistics.median(run.seconds)
+        work = _combined_work(model, run.shapes, statistics.fmean)
+        profiled_work = _combined_work(model, run.profiled_shapes, statistics.fmean)
+        per = len(run.profiled_shapes)
+        limit_s = floor_seconds(work, limits)
+        phases_s = phases_floor_seconds(work, limits)
+        spread = (percentile(run.seconds, 90) - percentile(run.seconds, 10)) / seconds
+    parts = {k: v / per for k, v in time_by_part(run.events).items()}  # µs
+    step_us = profiled_step_us(run.events) / per
     matmul_s = parts["matmul"] / 1e6
     attention_s = parts["attention"] / 1e6
+    weights_read = model.matmul_weight_bytes * (len(run.profiled_shapes) if whole_run else 1)
     return {
         "step": name,
-        "sequences": len(shape.seq_lens),
-        "tokens": shape.num_tokens,
+        "steps": len(run.shapes),
+        "sequences": max(len(sh.seq_lens) for sh in run.shapes),  # in one step, at most
+        "tokens": (sum if whole_run else max)(sh.num_tokens for sh in run.shapes),
         "context": statistics.fmean(s for sh in run.shapes for s in sh.seq_lens),
         "seconds": seconds,
-        "spread": (percentile(run.seconds, 90) - percentile(run.seconds, 10)) / seconds,
+        "spread": spread,
         "step_seconds": run.seconds,
         "work": asdict(work),
         "flops": work.flops,
@@ -522,12 +617,17 @@ def summarize(name: str, run: StepsRun, model: ModelShape, limits: Limits) -> di
         "fraction_of_bandwidth": work.bytes / seconds / limits.read_bandwidth,
         "roofline_seconds": limit_s,
         "fraction_of_roofline": limit_s / seconds,
+        "phases_floor_seconds": phases_s,
+        "fraction_of_phases_floor": phases_s / seconds,
+        # The most of the matmul peak the work could reach, at either floor.
+        "fraction_of_peak_at_floor": work.flops / limit_s / limits.matmul_flops,
+        "fraction_of_peak_at_phases_floor": work.flops / phases_s / limits.matmul_flops,
         "profiled_step_seconds": step_us / 1e6,
         "parts_us": parts,
         "shares": {k: v / step_us for k, v in grouped(parts).items()},
         "matmul_seconds": matmul_s,
         "matmul_flops_per_second": _rate(profiled_work.matmul_flops, matmul_s),
-        "matmul_weight_bytes_per_second": _rate(model.matmul_weight_bytes, matmul_s),
+        "matmul_weight_bytes_per_second": _rate(weights_read, matmul_s),
         "matmul_fraction_of_peak": _rate(profiled_work.matmul_flops, matmul_s,
                                          limits.matmul_flops),
         "attention_seconds": attention_s,
@@ -550,7 +650,7 @@ def rate_rows(rows: list[dict]) -> list[dict]:
         "tokens": r["tokens"],
         "context": round(r["context"]),
         "ms": r["seconds"] * 1e3,
-        "spread %": 100 * r["spread"],
+        "spread %": 100 * r["spread"] if r["spread"] is not None else "",
         "GFLOP": r["flops"] / 1e9,
         "MB": r["bytes"] / 1e6,
         "FLOP/B": r["intensity"],
@@ -560,6 +660,8 @@ def rate_rows(rows: list[dict]) -> list[dict]:
         "% bw": 100 * r["fraction_of_bandwidth"],
         "limit ms": r["roofline_seconds"] * 1e3,
         "% of limit": 100 * r["fraction_of_roofline"],
+        "phases ms": r["phases_floor_seconds"] * 1e3,
+        "% of phases": 100 * r["fraction_of_phases_floor"],
     } for r in rows]
 
 
@@ -599,11 +701,24 @@ def print_report(rows: list[dict], limits: Limits, title: str) -> None:
           f"{limits.read_bandwidth / 1e9:.1f} GB/s at {limits.threads} thread(s); ridge "
           f"{limits.ridge:.1f} FLOP/B")
     print_table(rate_rows(rows),
-                "\nPer step (wall time, median; work counted; limit = the larger floor)")
+                "\nPer step (wall time, median; work counted; limit = the larger floor; phases = "
+                "the products' floor + attention's); the workload: its whole run, its steps' "
+                "work and floors summed")
     print_table(split_rows(rows), "\nWhere a step's time goes (profiled; bookkeeping = "
                                   "schedule + process + the engine's own code)")
     print_table(region_rows(rows), "\nThe matmuls and attention alone (their profiled "
                                            "regions; attention includes its K/V write)")
+    for r in rows:
+        if r["step"] == WORKLOAD:
+            pct = {k: 100 * r[k] for k in ("fraction_of_peak", "matmul_fraction_of_peak",
+                                           "fraction_of_peak_at_floor",
+                                           "fraction_of_peak_at_phases_floor")}
+            print(f"\nThe workload's FLOP/s over its whole run: {pct['fraction_of_peak']:.1f} % "
+                  f"of the matmul peak (its products in their own time: "
+                  f"{pct['matmul_fraction_of_peak']:.1f} %). At its floor an engine would reach "
+                  f"{pct['fraction_of_peak_at_floor']:.0f} % (the roofline), "
+                  f"{pct['fraction_of_peak_at_phases_floor']:.0f} % with a step's parts one "
+                  f"after another.")
 
 
 def run_roofline(model_dir: str, plan: Plan,
@@ -624,6 +739,8 @@ def run_roofline(model_dir: str, plan: Plan,
         "weight_bytes": model.weight_bytes,
         "parameters": sum(p.numel() for p in runner.model.parameters()),
     }
+    if plan.workload:
+        runs.append((WORKLOAD, run_workload(model_dir, plan, attention_backend)))
     return runs, config
 
 
@@ -636,6 +753,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-backend", default=None, help="default: the engine's (numba)")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64-token prompts, "
                                                             "3 timed steps")
+    parser.add_argument("--workload", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the throughput benchmark's workload, start to finish "
+                             "(about 40 s more)")
     parser.add_argument("--json", help="result path (default: tools/bench/results/roofline.json)")
     args = parser.parse_args(argv)
     if args.device != "cpu":
@@ -644,7 +764,9 @@ def main(argv: list[str] | None = None) -> None:
     plan = QUICK if args.quick else Plan()
     overrides = {"batch_sizes": tuple(args.batch_sizes or ()), "prompt_len": args.prompt_len,
                  "steps": args.steps}
-    plan = Plan(**{**asdict(plan), **{k: v for k, v in overrides.items() if v}})
+    plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v})
+    if not args.workload:
+        plan = dataclasses.replace(plan, workload=None)
 
     before = measure_limits(args.quick)
     with tempfile.TemporaryDirectory() as tmp:
@@ -653,7 +775,8 @@ def main(argv: list[str] | None = None) -> None:
     after = measure_limits(args.quick)
     limits = best_limits(before, after)
     model = ModelShape(**config["model_shape"])
-    rows = [summarize(name, run, model, limits) for name, run in runs]
+    rows = [summarize(name, run, model, limits, whole_run=name == WORKLOAD)
+            for name, run in runs]
     config["model"] = args.model or args.model_size
     print_report(rows, limits, f"Roofline per step: {config['model']} "
                                f"({config['parameters'] / 1e6:.1f}M, float32, "
