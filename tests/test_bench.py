@@ -3,9 +3,12 @@ their timings (tools/bench/)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from tools.bench import step_cost
 from tools.bench.common import (
     BenchRequest,
     Repeated,
@@ -125,6 +128,18 @@ def test_step_cost_counts_only_full_decode_steps(tiny_model_dir):
     assert cost.steps == 3
     assert cost.schedule_us_per_seq > 0 and cost.process_us_per_seq > 0
     assert cost.total_us_per_seq >= max(cost.schedule_us_per_seq, cost.process_us_per_seq)
+
+
+def test_step_cost_at_one_size_runs_without_a_fit(tmp_path):
+    """One `--num-seqs` is a point, not a line: the report leaves the fit out
+    (it divided by zero)."""
+    out = tmp_path / "step_cost.json"
+    step_cost.main(["--num-seqs", "4", "--steps", "2", "--repeats", "1", "--no-plot",
+                    "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["linear_fit"] == {}
+    assert {(r["num_seqs"], r["prefix_caching"]) for r in result["results"]} == {
+        (4, False), (4, True)}
 
 
 def test_v1_step_cost_counts_only_full_decode_steps(tiny_model_dir):

@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
             for n in num_seqs
         ]
     fits = {}
-    for caching in (False, True):
+    # A line needs two sizes at least; with one (`--num-seqs 256`) there is no fit.
+    for caching in (False, True) if len(set(num_seqs)) > 1 else ():
         rows = [r for r in results if r.prefix_caching == caching]
         slope, intercept = linear_fit(
             [r.num_seqs for r in rows], [r.total_us_per_seq * r.num_seqs for r in rows]
