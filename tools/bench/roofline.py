@@ -98,7 +98,7 @@ from tools.bench.common import (
     write_result,
 )
 from tools.bench.profiling import in_model_matmul, innermost_label, profile_steps
-from tools.bench.throughput import engine_counters, engine_run
+from tools.bench.throughput import engine_run
 from tools.bench.throughput import make_engine as make_throughput_engine
 
 BLOCK_SIZE = 16
@@ -412,7 +412,10 @@ class Plan:
 WORKLOAD = "workload"  # the name of the workload's row
 
 QUICK = Plan(batch_sizes=(1, 8), prompt_len=64, prefill_prompts=2, warmup=1, steps=3,
-             profile_steps=1, workload=WorkloadSpec(4, 8, 32, 4, 12), workload_max_num_seqs=4)
+             profile_steps=1,
+             workload=WorkloadSpec(num_requests=4, min_prompt_len=8, max_prompt_len=32,
+                                   min_output_len=4, max_output_len=12),
+             workload_max_num_seqs=4)
 
 
 def make_engine(model_dir: str, plan: Plan, attention_backend: str | None) -> LLM:
@@ -490,18 +493,18 @@ def run_workload(model_dir: str, plan: Plan, attention_backend: str | None) -> S
     run.seconds, run.shapes = timed.seconds, shapes
     if timed.num_preemptions:
         raise RuntimeError(f"the workload preempted {timed.num_preemptions} times")
-    preemptions = engine_counters(llm)[0]
     for i, r in enumerate(requests):
         llm.llm_engine.add_request(f"w{i}", {"prompt_token_ids": r.prompt_token_ids},
                                    greedy(r.output_len))
     with recording_shapes(llm) as profiled:
         run.events = profile_steps(llm, len(shapes))
     run.profiled_shapes = profiled
-    if llm.llm_engine.has_unfinished_requests() or engine_counters(llm)[0] != preemptions:
-        drain(llm)
-        raise RuntimeError("the profiled run of the workload did not take the timed run's steps")
-    if run.profiled_shapes != run.shapes:
-        raise RuntimeError("the profiled run of the workload did not take the timed run's steps")
+    # Equal steps, and none left over (which equal first steps would not show).
+    if run.profiled_shapes != run.shapes or llm.llm_engine.has_unfinished_requests():
+        common = min(len(shapes), len(profiled))
+        differ = next((i for i in range(common) if shapes[i] != profiled[i]), common)
+        raise RuntimeError(f"the profiled run of the workload left the timed run's steps at "
+                           f"step {differ} of {len(shapes)}")
     return run
 
 
@@ -561,9 +564,9 @@ def phases_floor_seconds(work: StepWork, limits: Limits) -> float:
     another on the same cores, as ours does layer by layer: the products'
     floor (their FLOPs or the weights they read, whichever takes longer)
     plus attention's (its FLOPs or its bytes, the new K/V included). While
-    the products are bound by FLOPs the memory idles, and while decode
-    attention is bound by bytes the arithmetic idles; the roofline's single
-    floor for the whole step assumes each hides the other."""
+    the products are bound by FLOPs the memory is underused, and while
+    decode attention is bound by bytes the arithmetic is; the roofline's
+    single floor for the whole step assumes each hides the other."""
     products = max(work.matmul_flops / limits.matmul_flops,
                    work.weight_bytes / limits.read_bandwidth)
     attention = max(work.attention_flops / limits.matmul_flops,
@@ -571,27 +574,35 @@ def phases_floor_seconds(work: StepWork, limits: Limits) -> float:
     return products + attention
 
 
+def run_floors(steps: list[StepWork], limits: Limits) -> tuple[float, float]:
+    """The floors of steps run one after another, each summed step by step:
+    (the roofline's, the stricter `phases_floor_seconds`). Summed per step,
+    not taken of the summed work: a prefill's spare bandwidth cannot serve
+    a later decode, nor a decode's idle arithmetic a later prefill."""
+    return (sum(floor_seconds(w, limits) for w in steps),
+            sum(phases_floor_seconds(w, limits) for w in steps))
+
+
 def summarize(name: str, run: StepsRun, model: ModelShape, limits: Limits,
               whole_run: bool = False) -> dict:
     """One row of the report (a JSON-able dict): work, rates, fractions, split.
     Per step (the median step, the mean work), or with `whole_run` of the
-    whole run (its one time, the work and the limits of its steps summed)."""
+    whole run: `seconds` and `step_seconds` its one time, the work and the
+    floors of its steps summed, the parts of all its profiled steps, and
+    `context` the mean over every sequence of every step."""
     if whole_run:
         (seconds,) = run.seconds
         work = _combined_work(model, run.shapes, sum)
         profiled_work = _combined_work(model, run.profiled_shapes, sum)
         per = 1  # the parts are of the whole profiled run
-        steps = [step_work(model, s) for s in run.shapes]
-        limit_s = sum(floor_seconds(w, limits) for w in steps)
-        phases_s = sum(phases_floor_seconds(w, limits) for w in steps)
+        limit_s, phases_s = run_floors([step_work(model, s) for s in run.shapes], limits)
         spread = None
     else:
         seconds = statistics.median(run.seconds)
         work = _combined_work(model, run.shapes, statistics.fmean)
         profiled_work = _combined_work(model, run.profiled_shapes, statistics.fmean)
         per = len(run.profiled_shapes)
-        limit_s = floor_seconds(work, limits)
-        phases_s = phases_floor_seconds(work, limits)
+        limit_s, phases_s = run_floors([work], limits)
         spread = (percentile(run.seconds, 90) - percentile(run.seconds, 10)) / seconds
     parts = {k: v / per for k, v in time_by_part(run.events).items()}  # µs
     step_us = profiled_step_us(run.events) / per
