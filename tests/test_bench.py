@@ -333,6 +333,33 @@ def test_repeated_median_and_spread_by_hand():
     assert not run.repeats_identical
     with pytest.raises(ValueError):
         add_repetition(run, _fake_run("y", 1, 1.0))
+    # The same tokens out from fewer positions computed (a prefix cache hit) is other work.
+    with pytest.raises(ValueError, match="not a repetition"):
+        add_repetition(run, RunResult("x", 1, 0, 1, 100, [1.0], -5, outputs=[[7]]))
+
+
+def test_throughput_with_v1_repeats_v1_on_the_same_work(tiny_model_dir):
+    """`use_v1`: the repeated engine runs are V1's, with its defaults. Its
+    prefix cache is emptied before each run: otherwise the second repetition
+    would find every prompt cached, compute fewer positions and be refused
+    as a repetition. HF gets V1's tokens per step."""
+    spec = WorkloadSpec(num_requests=5, min_prompt_len=20, max_prompt_len=40,
+                        min_output_len=2, max_output_len=6, seed=3)
+    result = run_throughput(tiny_model_dir("llama"), spec, max_num_seqs=4, budget_seqs=2,
+                            single_requests=1, repeats=2, hf_cb_batch_sizes=[4],
+                            use_v1=True)
+    runs = {r.name: r for r in result.runs}
+    requests = sample_requests(spec, VOCAB)
+    v1 = runs["V1, batch 4"]
+    assert len(v1.seconds) == 2 and v1.repeats_identical
+    assert v1.computed_tokens == sum(len(r.prompt_token_ids) + r.output_len - 1
+                                     for r in requests)
+    assert v1.outputs == runs["HF generate_batch, batch 4"].outputs
+    assert result.workload["engine"] == "V1"
+    assert result.workload["max_num_batched_tokens"] == 8192
+    with pytest.raises(ValueError, match="use_v1"):
+        run_throughput(tiny_model_dir("llama"), spec, 4, 2, 1, repeats=1,
+                       hf_cb_batch_sizes=[4], extra_runs=True, use_v1=True)
 
 
 def test_latency_measures_every_request(tiny_model_dir):

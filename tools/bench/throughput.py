@@ -13,6 +13,8 @@ repetition (a pair ran back to back, so a slow spell moves both):
 
 - engine, batch B: our engine, `max_num_seqs` = B, with exactly the KV
   memory that static batches of B requests reserve (B x max_model_len);
+  with `--v1`, V1 in its place (`use_v1=True`, with its defaults: prefix
+  caching, emptied before each run, and chunked prefill, 8192 tokens a step);
 - HF generate_batch, batch B: transformers' continuous batching, the
   manager behind `model.generate_batch`, on the same terms as the engine: a
   paged cache of 16-token blocks, as many blocks as the engine's KV budget,
@@ -53,6 +55,7 @@ others first diverge, rather than fail.
     python -m tools.bench.throughput --quick         # 16 requests of 16-64 + 16-64
     python -m tools.bench.throughput --repeats 5 --hf-cb-batch-sizes 8 16 32 64 --extra-runs
     python -m tools.bench.throughput --compilation-level 3   # the engine's model compiled
+    python -m tools.bench.throughput --v1            # the repeated engine runs on V1
     python -m tools.bench.throughput --model-size 0.5b --device cuda --num-requests 256
 """
 
@@ -125,9 +128,17 @@ class RunResult:
 
 def add_repetition(run: RunResult, again: RunResult) -> None:
     """Fold a later repetition of the same run into `run`: its time, and
-    whether it generated the same tokens (the work itself is the same)."""
-    if (again.name, again.output_tokens) != (run.name, run.output_tokens):
-        raise ValueError(f"{again.name!r} is not a repetition of {run.name!r}")
+    whether it generated the same tokens. The work must be the same: the
+    same tokens out, the same token positions computed (a prefix cache
+    still holding an earlier repetition's prompts would compute fewer)."""
+    if (again.name, again.output_tokens, again.computed_tokens) != (
+        run.name, run.output_tokens, run.computed_tokens
+    ):
+        raise ValueError(
+            f"{again.name!r} ({again.output_tokens} tokens out, {again.computed_tokens} "
+            f"computed) is not a repetition of {run.name!r} ({run.output_tokens}, "
+            f"{run.computed_tokens})"
+        )
     run.seconds += again.seconds
     run.repeats_identical &= again.outputs == run.outputs
 
@@ -319,6 +330,13 @@ def make_engine(
     )
 
 
+def engine_step_tokens(llm: LLM) -> int:
+    """The engine's tokens per step (`max_num_batched_tokens`), either engine."""
+    engine = llm.llm_engine
+    config = engine.engine_config if hasattr(engine, "engine_config") else engine  # V1 : classic
+    return config.scheduler_config.max_num_batched_tokens
+
+
 def engine_counters(llm: LLM) -> tuple[int, int]:
     """(preemptions, token positions computed) so far, from either engine."""
     engine = llm.llm_engine
@@ -475,8 +493,13 @@ def run_throughput(
     extra_runs: bool = False,
     compilation_level: int = 0,
     enforce_eager: bool = False,
+    use_v1: bool = False,
 ) -> ThroughputResult:
-    """Every run of the module docstring, side by side."""
+    """Every run of the module docstring, side by side; with `use_v1` the
+    repeated engine runs are V1's."""
+    if use_v1 and extra_runs:
+        raise ValueError("extra_runs set V1 beside the classic engine; with use_v1 the "
+                         "repeated runs are V1's already")
     torch_dtype = getattr(torch, dtype)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     vocab = hf.config.vocab_size
@@ -497,15 +520,20 @@ def run_throughput(
     def key_runs() -> tuple[KeyRuns, int, LLM]:
         """The repeated runs, the engine's tokens per step (HF gets the same)
         and the engine."""
-        llm = new_engine(False, batch_kv)
-        step_tokens = llm.llm_engine.scheduler_config.max_num_batched_tokens
-        name = f"engine, batch {max_num_seqs}"
+        llm = new_engine(use_v1, batch_kv)
+        step_tokens = engine_step_tokens(llm)
+        name = f"{'V1' if use_v1 else 'engine'}, batch {max_num_seqs}"
         if compilation_level:
             name += f", -O{compilation_level}"
         if device == "cuda":
             name += ", eager" if enforce_eager else ", CUDA graphs"
+        def run_engine() -> RunResult:
+            if use_v1:  # an earlier repetition's prompts must not give V1 free prefix hits
+                assert llm.llm_engine.reset_prefix_cache()
+            return engine_run(llm, requests, name, max_num_seqs, batch_kv)
+
         key = run_key_runs(
-            lambda: engine_run(llm, requests, name, max_num_seqs, batch_kv),
+            run_engine,
             lambda b: hf_continuous(hf, requests, b, batch_kv, step_tokens),
             lambda: hf_static(hf, requests, max_num_seqs, max_len),
             max_num_seqs,
@@ -547,7 +575,7 @@ def run_throughput(
     agree["engine_vs_hf_static_batch"] = agreement(ours.outputs, key.hf_static.outputs).summary()
     agree["engine_vs_hf_one_at_a_time"] = agreement(ours.outputs, hf_single.outputs).summary()
 
-    if device == "cuda" and not enforce_eager:
+    if device == "cuda" and not enforce_eager and not use_v1:
         # What the graphs buy: the same engine without them, runs alternated.
         eager_llm = new_engine(False, batch_kv, eager=True)
         graphs, eager = (
@@ -611,6 +639,7 @@ def run_throughput(
         "repeats": repeats,
         "hf_cb_batch_sizes": sorted(key.sweep),
         "extra_runs": extra_runs,
+        "engine": "V1" if use_v1 else "classic",
     }
     sweep = {b: r.rates.values[0] for b, r in key.sweep.items()}
     return ThroughputResult(
@@ -771,6 +800,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="the engines': no CUDA graphs on a GPU"
     )
+    parser.add_argument(
+        "--v1", action="store_true",
+        help="the repeated engine runs on V1 (use_v1=True, its defaults: prefix caching, reset "
+        "before each run, and chunked prefill on, 8192 tokens a step, which HF gets too); "
+        "written to throughput_v1.json",
+    )
     parser.add_argument("--quick", action="store_true", help="16 requests of 16-64 + 16-64 tokens")
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -779,7 +814,10 @@ def main(argv: list[str] | None = None) -> None:
         args.max_num_seqs, args.budget_seqs, args.single_requests = 8, 2, 4
         if args.hf_cb_batch_sizes == list(DEFAULT_HF_CB_BATCH_SIZES):
             args.hf_cb_batch_sizes = [2, 4, 8]
-    extra_runs = args.quick if args.extra_runs is None else args.extra_runs
+    extra_runs = (args.quick and not args.v1) if args.extra_runs is None else args.extra_runs
+    if args.v1 and extra_runs:
+        parser.error("--extra-runs sets V1 beside the classic engine; with --v1 the repeated "
+                     "runs are V1's already")
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     spec = workload_spec(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -797,11 +835,13 @@ def main(argv: list[str] | None = None) -> None:
             extra_runs,
             args.compilation_level,
             args.enforce_eager,
+            args.v1,
         )
     print_result(result)
-    out = write_result("throughput", result_payload(result), args.json)
+    name = "throughput_v1" if args.v1 else "throughput"
+    out = write_result(name, result_payload(result), args.json)
     if not args.no_plot:
-        plot(result, plot_path("throughput", args.json))
+        plot(result, plot_path(name, args.json))
     print(f"wrote {out}")
 
 
