@@ -23,7 +23,7 @@ from minivllm.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs, v1_default_max_num_batched_tokens
 
 PACKAGE = pathlib.Path(envs.__file__).parent
 
@@ -95,16 +95,32 @@ def test_option_defaults_are_the_configs_defaults():
 @pytest.mark.parametrize("use_v1", [False, True])
 def test_engine_dependent_defaults(tiny_model_dir, monkeypatch, use_v1):
     """Classic: prefix caching and chunked prefill off (the configs'
-    defaults); V1: both on, 8192 tokens a step, as vLLM V1."""
+    defaults); V1: both on, and on a CPU 4096 tokens a step, as vLLM V1."""
     monkeypatch.delenv("MINIVLLM_USE_V1", raising=False)
     config = EngineArgs(model=tiny_model_dir("llama"), use_v1=use_v1).create_engine_config()
     assert config.use_v1 is use_v1
     assert config.cache_config.enable_prefix_caching is use_v1
     assert config.scheduler_config.enable_chunked_prefill is use_v1
     if use_v1:
-        assert config.scheduler_config.max_num_batched_tokens == 8192
+        assert config.scheduler_config.max_num_batched_tokens == 4096
     else:
         assert not CacheConfig.enable_prefix_caching and not SchedulerConfig.enable_chunked_prefill
+
+
+@pytest.mark.parametrize(
+    "device, tensor_parallel_size, expected",
+    [("cpu", 1, 4096), ("cpu", 2, 8192), ("cuda", 1, 8192), ("cuda", 2, 8192)],
+)
+def test_v1_token_budget_follows_vllms_defaults(device, tensor_parallel_size, expected):
+    """vLLM's `get_batch_defaults` for its `LLM` class: 4096 per worker on a
+    CPU, 8192 on a GPU (below 70 GiB; vllm_differences row 61)."""
+    assert v1_default_max_num_batched_tokens(device, tensor_parallel_size) == expected
+
+
+def test_v1_token_budget_is_at_least_max_num_seqs(tiny_model_dir):
+    config = EngineArgs(model=tiny_model_dir("llama"), use_v1=True,
+                        max_num_seqs=5000).create_engine_config()
+    assert config.scheduler_config.max_num_batched_tokens == 5000
 
 
 @pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])

@@ -14,7 +14,8 @@ repetition (a pair ran back to back, so a slow spell moves both):
 - engine, batch B: our engine, `max_num_seqs` = B, with exactly the KV
   memory that static batches of B requests reserve (B x max_model_len);
   with `--v1`, V1 in its place (`use_v1=True`, with its defaults: prefix
-  caching, emptied before each run, and chunked prefill, 8192 tokens a step);
+  caching, emptied before each run, and chunked prefill, 4096 tokens a step
+  on a CPU);
 - HF generate_batch, batch B: transformers' continuous batching, the
   manager behind `model.generate_batch`, on the same terms as the engine: a
   paged cache of 16-token blocks, as many blocks as the engine's KV budget,
@@ -42,7 +43,7 @@ Once each:
   they fill, keeping `max_num_seqs` = B. Then V1, batch B and V1, KV K x
   max_model_len: the two engine runs on the V1 engine (`use_v1=True`,
   minivllm/v1/) with its defaults (prefix caching and chunked prefill on,
-  8192 tokens a step), given one block more than the classic engine: V1
+  4096 tokens a step on a CPU), given one block more than the classic engine: V1
   keeps block 0 as its null block.
 
 Throughput is generated tokens (each request's own output length) per
@@ -803,7 +804,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--v1", action="store_true",
         help="the repeated engine runs on V1 (use_v1=True, its defaults: prefix caching, reset "
-        "before each run, and chunked prefill on, 8192 tokens a step, which HF gets too); "
+        "before each run, and chunked prefill on, 4096 tokens a step on a CPU, which HF gets too); "
         "written to throughput_v1.json",
     )
     parser.add_argument("--quick", action="store_true", help="16 requests of 16-64 + 16-64 tokens")
