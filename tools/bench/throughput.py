@@ -332,10 +332,9 @@ def make_engine(
 
 
 def engine_step_tokens(llm: LLM) -> int:
-    """The engine's tokens per step (`max_num_batched_tokens`), either engine."""
-    engine = llm.llm_engine
-    config = engine.engine_config if hasattr(engine, "engine_config") else engine  # V1 : classic
-    return config.scheduler_config.max_num_batched_tokens
+    """The engine's tokens per step (`max_num_batched_tokens`): both engines
+    keep their whole `engine_config`."""
+    return llm.llm_engine.engine_config.scheduler_config.max_num_batched_tokens
 
 
 def engine_counters(llm: LLM) -> tuple[int, int]:
@@ -350,6 +349,12 @@ def engine_counters(llm: LLM) -> tuple[int, int]:
 def engine_run(
     llm: LLM, requests: list[BenchRequest], name: str, batch_size: int, kv_cache_tokens: int
 ) -> RunResult:
+    # Every run starts from an empty prefix cache (V1 has one on by default;
+    # the classic engine, no reset): the warm-up's or an earlier repetition's
+    # prompts must not make this run's work smaller.
+    reset = getattr(llm.llm_engine, "reset_prefix_cache", None)
+    if reset is not None and not reset():
+        raise RuntimeError(f"{name!r}: the engine could not empty its prefix cache")
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [
         SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests
@@ -514,8 +519,6 @@ def run_throughput(
             compilation_level=compilation_level, enforce_eager=eager,
         )
         warm_up(llm, hf, requests)
-        if use_v1:  # the warm-up's prompts must not give V1 free prefix hits
-            assert llm.llm_engine.reset_prefix_cache()
         return llm
 
     def key_runs() -> tuple[KeyRuns, int, LLM]:
@@ -528,13 +531,8 @@ def run_throughput(
             name += f", -O{compilation_level}"
         if device == "cuda":
             name += ", eager" if enforce_eager else ", CUDA graphs"
-        def run_engine() -> RunResult:
-            if use_v1:  # an earlier repetition's prompts must not give V1 free prefix hits
-                assert llm.llm_engine.reset_prefix_cache()
-            return engine_run(llm, requests, name, max_num_seqs, batch_kv)
-
         key = run_key_runs(
-            run_engine,
+            lambda: engine_run(llm, requests, name, max_num_seqs, batch_kv),
             lambda b: hf_continuous(hf, requests, b, batch_kv, step_tokens),
             lambda: hf_static(hf, requests, max_num_seqs, max_len),
             max_num_seqs,
