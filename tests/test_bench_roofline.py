@@ -64,6 +64,19 @@ def test_the_20m_models_weights_by_hand():
     assert work.kv_write_bytes == 7 * 4 * 2 * 4 * 64
 
 
+def test_decode_attention_bytes_of_a_mixed_step_by_hand():
+    """The 20M model's shape. A step of one 5-token prefill and two decodes
+    at 10 and 20 tokens: only the decodes count, each K/V of its tokens (2 x
+    n x 4 KV heads x 64 floats) plus its query and output rows (2 x 8 x 64),
+    in 7 layers of 4-byte floats."""
+    model = ModelShape(7, 512, 1376, 8, 4, 64, 384)
+    step = StepShape((5, 1, 1), (5, 10, 20), logit_rows=3, num_prefills=1)
+    per_decode = lambda n: 7 * 4 * (2 * n * 4 * 64 + 2 * 8 * 64)  # noqa: E731
+    assert roofline.decode_attention_bytes(model, step) == per_decode(10) + per_decode(20)
+    prefill_only = StepShape((5,), (5,), logit_rows=1, num_prefills=1)
+    assert roofline.decode_attention_bytes(model, prefill_only) == 0
+
+
 def test_floors_of_a_made_up_step_by_hand():
     """Peak 100 GFLOP/s, bandwidth 10 GB/s. Products of 2 GFLOP over 0.1 GB
     of weights: 20 ms of FLOPs, 10 ms of bytes. Attention of 0.05 GFLOP over
@@ -215,9 +228,35 @@ def test_quick_run_end_to_end(tmp_path, capsys, restore_threads):
         assert len(row["step_seconds"]) == 3
         assert math.isclose(sum(row["shares"].values()), 1.0, rel_tol=1e-6)
         assert row["fraction_of_peak"] > 0 and row["fraction_of_bandwidth"] > 0
+    # Decode attention timed: every layer's decode half once in each of the 3
+    # timed steps, over 8 sequences' K/V; a prefill step never calls it.
+    assert decode["decode_attention_calls"] == 3 * model.num_layers
+    assert decode["decode_attention_bytes"] == pytest.approx(
+        sum(attention_bytes(model, 1, n) for n in decode_seq_lens(decode)) / 3)
+    _check_rate(decode, result["limits"])
+    assert prefill["decode_attention_calls"] == 0
+    assert prefill["decode_attention_bytes_per_second"] is None
     limits = result["limits"]
     assert limits["threads"] == 1 and limits["matmul_flops"] > 0
     _check_the_workloads_row(rows["workload"], model, limits)
+
+
+def decode_seq_lens(row: dict) -> list[int]:
+    """The tokens each decode of a `--quick` decode row's timed steps attends
+    to: its prompts' 64 tokens, the first output token (from the prefill),
+    one warm-up decode, then one more token each of the 3 timed steps."""
+    plan = roofline.QUICK
+    first = plan.prompt_len + plan.warmup + 1
+    return [first + step for step in range(plan.steps) for _ in range(row["sequences"])]
+
+
+def _check_rate(row: dict, limits: dict) -> None:
+    seconds = row["decode_attention_seconds"]
+    assert seconds > 0
+    assert math.isclose(row["decode_attention_bytes_per_second"],
+                        row["decode_attention_bytes"] / seconds)
+    assert math.isclose(row["decode_attention_fraction_of_bandwidth"],
+                        row["decode_attention_bytes"] / seconds / limits["read_bandwidth"])
 
 
 def _check_the_workloads_row(row: dict, model: ModelShape, limits: dict) -> None:
@@ -231,6 +270,15 @@ def _check_the_workloads_row(row: dict, model: ModelShape, limits: dict) -> None
     assert row["work"]["matmul_flops"] == 2 * (model.token_matmul_params * tokens
                                                + model.lm_head_params * sampled)
     assert row["spread"] is None and len(row["step_seconds"]) == 1
+    # Decode attention: request r decodes its outputs 2..n at r.prompt + 1 ..
+    # r.prompt + n - 1 tokens, all requests together, so the run has
+    # max(n) - 1 steps with decodes, each calling every layer's decode half.
+    decode_bytes = sum(attention_bytes(model, 1, len(r.prompt_token_ids) + j)
+                       for r in requests for j in range(1, r.output_len))
+    assert row["decode_attention_bytes"] == decode_bytes
+    longest = max(r.output_len for r in requests)
+    assert row["decode_attention_calls"] == model.num_layers * (longest - 1)
+    _check_rate(row, limits)
     assert math.isclose(sum(row["shares"].values()), 1.0, rel_tol=1e-6)
     # Summed per step, the floors are at least the floor of the summed work
     # (equal, to rounding, when every step is on the same side of the ridge).

@@ -23,7 +23,8 @@ process, and this one afterwards, run exactly as before.
 
 Used by Day 12's checker (tools/labs/checks/day12.py) and by the roofline
 benchmark (tools/bench/roofline.py); `wrap_method`, the patching underneath,
-also by the step-split benchmark (tools/bench/step_split.py).
+also by the step-split benchmark (tools/bench/step_split.py); `attention_impls`
+by the roofline's timers around decode attention.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ def wrap_method(
     undo.append(lambda: setattr(obj, attr, inner) if had_own else delattr(obj, attr))
 
 
+def attention_impls(llm: LLM) -> list[Any]:
+    """Each attention layer's implementation (an `AttentionImpl`, or a
+    learner's class with its `forward_decode`) in this engine's model, in
+    layer order."""
+    impls = (getattr(m, "impl", None) for m in llm.llm_engine.worker.model_runner.model.modules())
+    return [impl for impl in impls if hasattr(impl, "forward_decode")]
+
+
 @contextlib.contextmanager
 def labelled(llm: LLM) -> Iterator[LLM]:
     """Put profiler labels around the hot functions of this engine (its own
@@ -91,10 +100,8 @@ def labelled(llm: LLM) -> Iterator[LLM]:
     label(runner, "prepare_model_input", "prepare_inputs")
     label(runner.model, "forward", "model")
     label(runner.model, "compute_logits", "model")
-    for module in runner.model.modules():
-        impl = getattr(module, "impl", None)
-        if impl is not None and hasattr(impl, "forward_decode"):
-            label(impl, "forward", "attention")
+    for impl in attention_impls(llm):
+        label(impl, "forward", "attention")
     label(runner.sampler, "forward", "sampler")
     label(engine, "_process_model_outputs", "process")
     try:

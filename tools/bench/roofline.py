@@ -39,12 +39,16 @@ and for each kind of step reports:
    labels), the split of a step into matmuls, the model's other operators,
    attention, sampling, input preparation and bookkeeping (scheduler,
    output processing, the engine's own code), and the matmuls' and the
-   attention regions' own rates: decode attention's K/V bytes over its
-   profiled time is its achieved bandwidth.
+   attention regions' own rates (attention's region holds its K/V write
+   and its prefills too);
+5. decode attention's own bandwidth, without the profiler: every call of
+   the backend's decode half (each layer's `AttentionImpl.forward_decode`)
+   is timed during the timed steps, and the K/V bytes the step's decodes
+   read (their `attention_bytes`) over that time is its achieved bandwidth.
 
 The profiler adds a few µs per operator, so the split is of the profiled
 step (its time is shown beside the wall time); the wall time and the rates
-in (3) are measured without it.
+in (3) and (5) are measured without it.
 
 The workload's row is of the whole run: its time, its work summed over its
 steps, and its limit the sum of each step's own (the larger floor of each
@@ -97,7 +101,13 @@ from tools.bench.common import (
     set_threads,
     write_result,
 )
-from tools.bench.profiling import in_model_matmul, innermost_label, profile_steps
+from tools.bench.profiling import (
+    attention_impls,
+    in_model_matmul,
+    innermost_label,
+    profile_steps,
+    wrap_method,
+)
 from tools.bench.throughput import engine_run
 from tools.bench.throughput import make_engine as make_throughput_engine
 
@@ -253,6 +263,15 @@ def attention_bytes(model: ModelShape, query_len: int, seq_len: int) -> int:
     return model.num_layers * (kv + rows) * model.dtype_bytes
 
 
+def decode_attention_bytes(model: ModelShape, step: StepShape) -> int:
+    """What the step's decodes (the sequences after its prefills) read and
+    write in attention: the part of its `attention_bytes` that the backend's
+    decode half moves."""
+    return sum(attention_bytes(model, q, s) for q, s in
+               zip(step.query_lens[step.num_prefills:], step.seq_lens[step.num_prefills:],
+                   strict=True))
+
+
 def step_work(model: ModelShape, step: StepShape) -> StepWork:
     """The FLOPs and bytes of one step of `model` over the batch `step`."""
     pairs = list(zip(step.query_lens, step.seq_lens, strict=True))
@@ -328,21 +347,60 @@ def recording_shapes(llm: LLM) -> Iterator[list[StepShape]]:
 
 
 @dataclass
+class DecodeAttentionTimer:
+    """The time spent in the backend's decode half, and its calls (one per
+    layer in each step with decodes)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+@contextlib.contextmanager
+def timing_decode_attention(llm: LLM) -> Iterator[DecodeAttentionTimer]:
+    """Time every call of each layer's `forward_decode` in this engine (its
+    own objects only, for as long as the block runs). A timer costs about a
+    microsecond a call, against the tens to thousands a call takes."""
+    timer = DecodeAttentionTimer()
+    undo: list = []
+    for impl in attention_impls(llm):
+        wrap_method(impl, "forward_decode", timer.timing, undo)
+    try:
+        yield timer
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+@dataclass
 class StepsRun:
     """The timed and the profiled steps of one kind of step."""
 
     seconds: list[float] = field(default_factory=list)  # wall, unprofiled
+    # The backend's decode half in each timed step (or in the whole timed run)
+    decode_attention_seconds: list[float] = field(default_factory=list)
+    decode_attention_calls: int = 0  # over all the timed steps
     shapes: list[StepShape] = field(default_factory=list)  # of the timed steps
     events: list = field(default_factory=list)  # profiler events of the profiled steps
     profiled_shapes: list[StepShape] = field(default_factory=list)
 
 
 def timed_step(llm: LLM, run: StepsRun) -> None:
-    with recording_shapes(llm) as shapes:
+    with recording_shapes(llm) as shapes, timing_decode_attention(llm) as attention:
         start = time.perf_counter()
         llm.llm_engine.step()
         run.seconds.append(time.perf_counter() - start)
     run.shapes += shapes
+    run.decode_attention_seconds.append(attention.seconds)
+    run.decode_attention_calls += attention.calls
 
 
 def profiled_step(llm: LLM, run: StepsRun) -> None:
@@ -488,9 +546,10 @@ def run_workload(model_dir: str, plan: Plan, attention_backend: str | None) -> S
     engine_run(llm, [dataclasses.replace(r, output_len=4) for r in requests[:2]], "warm-up",
                batch, kv_tokens)
     run = StepsRun()
-    with recording_shapes(llm) as shapes:
+    with recording_shapes(llm) as shapes, timing_decode_attention(llm) as attention:
         timed = engine_run(llm, requests, "workload", batch, kv_tokens)
     run.seconds, run.shapes = timed.seconds, shapes
+    run.decode_attention_seconds, run.decode_attention_calls = [attention.seconds], attention.calls
     if timed.num_preemptions:
         raise RuntimeError(f"the workload preempted {timed.num_preemptions} times")
     for i, r in enumerate(requests):
@@ -592,6 +651,8 @@ def summarize(name: str, run: StepsRun, model: ModelShape, limits: Limits,
     `context` the mean over every sequence of every step."""
     if whole_run:
         (seconds,) = run.seconds
+        (decode_attention_s,) = run.decode_attention_seconds
+        decode_bytes = sum(decode_attention_bytes(model, s) for s in run.shapes)
         work = _combined_work(model, run.shapes, sum)
         profiled_work = _combined_work(model, run.profiled_shapes, sum)
         per = 1  # the parts are of the whole profiled run
@@ -599,6 +660,8 @@ def summarize(name: str, run: StepsRun, model: ModelShape, limits: Limits,
         spread = None
     else:
         seconds = statistics.median(run.seconds)
+        decode_attention_s = statistics.median(run.decode_attention_seconds)
+        decode_bytes = statistics.fmean(decode_attention_bytes(model, s) for s in run.shapes)
         work = _combined_work(model, run.shapes, statistics.fmean)
         profiled_work = _combined_work(model, run.profiled_shapes, statistics.fmean)
         per = len(run.profiled_shapes)
@@ -646,6 +709,13 @@ def summarize(name: str, run: StepsRun, model: ModelShape, limits: Limits,
         "attention_flops_per_second": _rate(profiled_work.attention_flops, attention_s),
         "attention_fraction_of_bandwidth": _rate(profiled_work.attention_bytes, attention_s,
                                                  limits.read_bandwidth),
+        # Timed without the profiler: the backend's decode half alone.
+        "decode_attention_seconds": decode_attention_s,
+        "decode_attention_calls": run.decode_attention_calls,
+        "decode_attention_bytes": decode_bytes,
+        "decode_attention_bytes_per_second": _rate(decode_bytes, decode_attention_s),
+        "decode_attention_fraction_of_bandwidth": _rate(decode_bytes, decode_attention_s,
+                                                        limits.read_bandwidth),
     }
 
 
@@ -703,6 +773,9 @@ def region_rows(rows: list[dict]) -> list[dict]:
         "attn ms": r["attention_seconds"] * 1e3,
         "attn GB/s": giga(r["attention_bytes_per_second"]),
         "attn % bw": pct(r["attention_fraction_of_bandwidth"]),
+        "decode ms": r["decode_attention_seconds"] * 1e3,
+        "decode GB/s": giga(r["decode_attention_bytes_per_second"]),
+        "decode % bw": pct(r["decode_attention_fraction_of_bandwidth"]),
     } for r in rows]
 
 
@@ -718,7 +791,8 @@ def print_report(rows: list[dict], limits: Limits, title: str) -> None:
     print_table(split_rows(rows), "\nWhere a step's time goes (profiled; bookkeeping = "
                                   "schedule + process + the engine's own code)")
     print_table(region_rows(rows), "\nThe matmuls and attention alone (their profiled "
-                                           "regions; attention includes its K/V write)")
+                                   "regions; attention includes its K/V write); decode: the "
+                                   "backend's decode calls, timed without the profiler")
     for r in rows:
         if r["step"] == WORKLOAD:
             pct = {k: 100 * r[k] for k in ("fraction_of_peak", "matmul_fraction_of_peak",
@@ -729,7 +803,10 @@ def print_report(rows: list[dict], limits: Limits, title: str) -> None:
                   f"{pct['matmul_fraction_of_peak']:.1f} %). At its floor an engine would reach "
                   f"{pct['fraction_of_peak_at_floor']:.0f} % (the roofline), "
                   f"{pct['fraction_of_peak_at_phases_floor']:.0f} % with a step's parts one "
-                  f"after another.")
+                  f"after another. Its decode attention read "
+                  f"{r['decode_attention_bytes_per_second'] / 1e9:.1f} GB/s, "
+                  f"{100 * r['decode_attention_fraction_of_bandwidth']:.0f} % of the read "
+                  f"bandwidth (timed without the profiler).")
 
 
 def run_roofline(model_dir: str, plan: Plan,
