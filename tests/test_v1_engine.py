@@ -278,3 +278,23 @@ def test_what_v1_cannot_do_is_refused_up_front(tiny_model_dir, options, params, 
     with pytest.raises(ValueError, match=match):
         llm.llm_engine.add_request("r", "hello", params)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("max_tokens", [None, 16])
+def test_a_prompt_filling_max_model_len_is_refused_and_one_shorter_runs(
+    tiny_model_dir, max_tokens
+):
+    """vLLM's V1 refuses a prompt of exactly max_model_len tokens (no room for
+    an output token; tests/v1/e2e/test_context_length.py): refused up front,
+    the engine alive. One token shorter, the request gets its one token and
+    finishes by length."""
+    llm = LLM(tiny_model_dir("llama"), use_v1=True, block_size=8, max_model_len=32)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with pytest.raises(ValueError, match="'full': the prompt has 32 tokens, which with at least "
+                                         "1 output token is longer than max_model_len=32"):
+        engine.add_request("full", {"prompt_token_ids": [5] * 32}, params)
+    assert not engine.has_unfinished_requests()
+    (out,) = llm.generate([{"prompt_token_ids": [5] * 31}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert_all_blocks_free(llm)

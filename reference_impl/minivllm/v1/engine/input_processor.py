@@ -39,6 +39,17 @@ class InputProcessor:
         prompt_text, prompt_token_ids = self.input_preprocessor.validate_request(
             request_id, prompt, params, arrival_time, priority, live_request_ids
         )
+        max_len = self.model_config.max_model_len
+        if len(prompt_token_ids) == max_len:
+            # V1 refuses it up front, as vLLM's `_validate_prompt_len` does: a
+            # sequence's row holds max_model_len tokens, and the sampled token
+            # would be one past it. (The classic engine, as v0.6, samples that
+            # one token and caps the request by length.)
+            raise ValueError(
+                f"Request {request_id!r}: the prompt has {max_len} tokens, which with at "
+                f"least 1 output token is longer than max_model_len={max_len}; prompts "
+                f"may have at most {max_len - 1} tokens"
+            )
         if params.best_of > params.n:
             raise ValueError(
                 f"Request {request_id!r}: best_of={params.best_of} is not supported by the V1 "
