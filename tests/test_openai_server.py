@@ -78,6 +78,9 @@ def wait_until_idle(server: RemoteOpenAIServer, timeout: float = 30.0) -> dict[s
 def test_models_version_health(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    # Any origin may call it by default (vLLM's CORS defaults).
+    r = httpx.get(server.url_for("v1", "models"), headers={"Origin": "http://page.example"})
+    assert r.headers["access-control-allow-origin"] == "*"
     assert models[0].root.endswith("minivllm-stories")
     assert models[0].max_model_len == 512
     assert httpx.get(server.url_for("version")).json()["version"]
@@ -325,6 +328,40 @@ def test_logprobs_equal_offline(client, llm):
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
 
 
+def test_logprobs_of_filtered_tokens_are_clamped_as_vllm_does(server, client, llm):
+    """top_k=2 gives the tokens it removes a logprob of -inf (the offline
+    oracle), which JSON cannot carry: vLLM sends -9999.0 for them. Plain,
+    streamed and chat responses alike."""
+    params = dict(max_tokens=4, temperature=1.0, seed=7, top_k=2)
+    expected = offline(llm, PROMPTS[0], logprobs=5, **params).outputs[0]
+    assert any(lp.logprob == -math.inf for p in expected.logprobs for lp in p.values())
+
+    def clamped(position) -> dict[str, float]:
+        return {lp.decoded_token: max(lp.logprob, -9999.0) for lp in position.values()}
+
+    extra = {"top_k": 2, "seed": 7}
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=5,
+                                      max_tokens=4, temperature=1.0, extra_body=extra)
+    top = plain.choices[0].logprobs.top_logprobs
+    assert len(top) == 4
+    for got, position in zip(top, expected.logprobs, strict=True):
+        assert got.keys() == clamped(position).keys()
+        for token, value in got.items():
+            assert math.isclose(value, clamped(position)[token], rel_tol=1e-5, abs_tol=1e-6)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "logprobs": 5, "stream": True, **params}
+    with httpx.stream("POST", server.url_for("v1/completions"), json=body) as response:
+        assert response.status_code == 200
+        chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    streamed = [t for c in chunks for ch in c["choices"] if ch["logprobs"]
+                for t in ch["logprobs"]["top_logprobs"]]
+    assert [sorted(t.values()) for t in streamed] == [sorted(t.values()) for t in top]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4,
+        temperature=1.0, logprobs=True, top_logprobs=5, extra_body=extra)
+    values = [t.logprob for c in chat.choices[0].logprobs.content for t in c.top_logprobs]
+    assert -9999.0 in values and all(v >= -9999.0 for v in values)
+
+
 def test_tokenize_and_detokenize(server, llm):
     tokens = httpx.post(server.url_for("tokenize"), json={"prompt": PROMPTS[2]}).json()
     ids = llm.get_tokenizer().encode(PROMPTS[2])
@@ -335,6 +372,17 @@ def test_tokenize_and_detokenize(server, llm):
         server.url_for("tokenize"), json={"messages": [{"role": "user", "content": PROMPTS[2]}]}
     ).json()
     assert chat["tokens"] == ids  # the template writes BOS, then the text
+
+
+def test_text_parts_of_a_message_are_joined_one_per_line(server):
+    """vLLM joins a message's text parts with newlines: the prompt is the
+    one a single string with the newline gives."""
+    def tokens(content) -> list[int]:
+        body = {"messages": [{"role": "user", "content": content}]}
+        return httpx.post(server.url_for("tokenize"), json=body).json()["tokens"]
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert tokens(parts) == tokens("Hello\nworld") != tokens("Helloworld")
 
 
 # -- refusals -------------------------------------------------------------------------

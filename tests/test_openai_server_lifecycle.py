@@ -5,6 +5,7 @@ server (a few seconds each), so they are marked slow."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from minivllm import LLM, SamplingParams
+from minivllm.entrypoints.openai.cli_args import make_arg_parser
 from tests.failing_scheduler import FAULT_MAX_TOKENS
 from tests.server_utils import RemoteOpenAIServer
 
@@ -43,8 +45,20 @@ def test_serve_command_with_an_api_key_and_no_chat_template(tiny_model_dir):
         "tiny",
         "--block-size",
         "8",
+        "--allowed-origins",
+        '["http://page.example"]',
     ]
     with RemoteOpenAIServer(args, module=CLI) as server:
+        # A browser's preflight needs no key; only the allowed origin is let in.
+        preflight = {"Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        allowed = httpx.options(server.url_for("v1", "completions"),
+                                headers={"Origin": "http://page.example", **preflight})
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "http://page.example"
+        other = httpx.options(server.url_for("v1", "completions"),
+                              headers={"Origin": "http://other.example", **preflight})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
         # /v1 needs the key; probes and scrapers do not.
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
             r = httpx.get(server.url_for("v1", "models"), headers=headers)
@@ -170,3 +184,12 @@ def test_chunked_prefill_streams_one_event_per_token():
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert len(events) == 1 + 10
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[1:]) == expected.text
+
+
+@pytest.mark.parametrize("value", ['"*"', "[1]", "[*]", '{"a": "b"}'])
+def test_cors_flags_take_a_json_list_of_strings(value):
+    parser = make_arg_parser(argparse.ArgumentParser())
+    assert parser.parse_args(["--allowed-headers", '["x-a", "x-b"]']).allowed_headers == [
+        "x-a", "x-b"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--allowed-origins", value])

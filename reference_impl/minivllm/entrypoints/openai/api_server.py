@@ -18,7 +18,8 @@ Every error is OpenAI's JSON body {"error": {"message", "type", "param",
 field), 401 without the API key (on /v1 routes, as vLLM), 404 for an
 unknown route or model, 500 if the engine failed while running the request,
 503 once it is dead. A refused request never reaches the engine's queues,
-so it cannot disturb the others.
+so it cannot disturb the others. Browser pages on other origins may call it
+(CORS: every origin by default, as vLLM's; --allowed-origins and friends).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -64,7 +67,27 @@ logger = logging.getLogger(__name__)
 TIMEOUT_GRACEFUL_SHUTDOWN = 5
 
 
-def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
+@dataclass(frozen=True)
+class CorsOptions:
+    """Which browser pages on other origins may call the server, as the
+    `Access-Control-*` answers of FastAPI's CORS middleware give it (vLLM's
+    --allowed-origins, --allow-credentials, --allowed-methods,
+    --allowed-headers; by default every origin, method and header)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> CorsOptions:
+        return cls(tuple(args.allowed_origins), args.allow_credentials,
+                   tuple(args.allowed_methods), tuple(args.allowed_headers))
+
+
+def build_app(
+    served: ServedModel, api_key: str | None = None, cors: CorsOptions = CorsOptions()
+) -> FastAPI:
     """The app for one served model; `api_key` guards the /v1 routes."""
     engine = served.engine
     completion = OpenAIServingCompletion(served)
@@ -123,7 +146,14 @@ def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
         return await chat.create_chat_completion(request, raw_request)
 
     _add_error_handlers(app)
-    if api_key:
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors.allowed_origins,
+        allow_credentials=cors.allow_credentials,
+        allow_methods=cors.allowed_methods,
+        allow_headers=cors.allowed_headers,
+    )
+    if api_key:  # added last, so it runs first; it lets preflights (OPTIONS) through
         _require_api_key(app, api_key)
     return app
 
@@ -227,7 +257,8 @@ def init_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
     )
-    return build_app(served, api_key=args.api_key or envs.MINIVLLM_API_KEY)
+    return build_app(served, api_key=args.api_key or envs.MINIVLLM_API_KEY,
+                     cors=CorsOptions.from_cli_args(args))
 
 
 @asynccontextmanager

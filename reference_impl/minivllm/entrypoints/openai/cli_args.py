@@ -5,8 +5,22 @@ own flags, then every engine option from `AsyncEngineArgs`, so any option of
 from __future__ import annotations
 
 import argparse
+import json
 
 from minivllm.engine.arg_utils import AsyncEngineArgs
+
+
+def json_string_list(value: str) -> list[str]:
+    """A flag's JSON list of strings, as vLLM reads --allowed-origins."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {value!r}") from e
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(
+            f'a JSON list of strings is needed, like \'["*"]\', got {value!r}'
+        )
+    return parsed
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,6 +44,30 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MINIVLLM_API_KEY, "
         "else none)",
+    )
+    # Cross-origin requests from browser pages (vLLM's flags and defaults: all allowed).
+    server.add_argument(
+        "--allowed-origins",
+        type=json_string_list,
+        default=["*"],
+        help='origins allowed, a JSON list (default: \'["*"]\')',
+    )
+    server.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="allow cookies and HTTP authentication across origins",
+    )
+    server.add_argument(
+        "--allowed-methods",
+        type=json_string_list,
+        default=["*"],
+        help='HTTP methods allowed across origins, a JSON list (default: \'["*"]\')',
+    )
+    server.add_argument(
+        "--allowed-headers",
+        type=json_string_list,
+        default=["*"],
+        help='request headers allowed across origins, a JSON list (default: \'["*"]\')',
     )
     server.add_argument(
         "--chat-template",

@@ -206,8 +206,10 @@ class ChatMessageParam(OpenAIBaseModel):
     name: str | None = None
 
     def text(self) -> str:
+        """The message's text: its parts one per line, as vLLM's chat_utils
+        joins them before the chat template sees them."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 

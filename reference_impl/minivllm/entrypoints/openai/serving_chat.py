@@ -36,6 +36,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChoiceProgress,
     OpenAIServing,
+    json_logprob,
     logprob_token,
     sampling_params_of,
     sse,
@@ -186,6 +187,7 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _chat_logprob(token: str, logprob: float) -> ChatCompletionLogProb:
-    return ChatCompletionLogProb(token=token, logprob=logprob, bytes=list(token.encode()))
+    return ChatCompletionLogProb(token=token, logprob=json_logprob(logprob),
+                                 bytes=list(token.encode()))
 
 

@@ -31,6 +31,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     ChoiceProgress,
     OpenAIError,
     OpenAIServing,
+    json_logprob,
     logprob_token,
     merge_async_iterators,
     sampling_params_of,
@@ -174,7 +175,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ):
             token = logprob_token(self.tokenizer, token_id, position)
             result.tokens.append(token)
-            result.token_logprobs.append(position[token_id].logprob)
+            result.token_logprobs.append(json_logprob(position[token_id].logprob))
             result.top_logprobs.append(_top_logprobs(self.tokenizer, position))
             result.text_offset.append(text_offset)
             text_offset += len(token)
@@ -182,4 +183,5 @@ class OpenAIServingCompletion(OpenAIServing):
 
 
 def _top_logprobs(tokenizer, position: PositionLogprobs) -> dict[str, float]:
-    return {logprob_token(tokenizer, t, position): lp.logprob for t, lp in position.items()}
+    return {logprob_token(tokenizer, t, position): json_logprob(lp.logprob)
+            for t, lp in position.items()}

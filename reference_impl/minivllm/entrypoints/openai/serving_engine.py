@@ -285,6 +285,17 @@ def logprob_token(tokenizer, token_id: int, position: PositionLogprobs) -> str:
     return decoded if decoded is not None else tokenizer.decode([token_id])
 
 
+# The lowest logprob a response carries: JSON has no -inf, which the engine
+# gives tokens that top_k, top_p or min_p removed. vLLM's servers clamp to
+# the same value ("a JSON-serializable float that OpenAI uses").
+MIN_JSON_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob as a response carries it: at least MIN_JSON_LOGPROB."""
+    return max(logprob, MIN_JSON_LOGPROB)
+
+
 def sse(chunk: BaseModel) -> str:
     """One server-sent event; `usage` appears only in chunks that have it."""
     exclude = {"usage"} if getattr(chunk, "usage", 0) is None else None
