@@ -352,6 +352,27 @@ def test_priority_preempts_the_largest_priority_and_arrival_even_if_already_sche
         assert block_ids(s, "Y") == [1, 2] and free_ids(s) == [4, 3]
 
 
+def test_priority_ties_are_broken_by_request_id_in_string_order():
+    """vLLM's `Request.__lt__`: priority, then arrival_time, then request_id
+    compared as strings, whatever the order the requests were added in.
+    Twelve requests of equal priority and arrival, added as 0_p, 1_p, ...,
+    11_p; room for 3 (max_num_seqs): in string order '0_p' < '10_p' <
+    '11_p' < '1_p', so those three are admitted, not 0_p, 1_p, 2_p.
+    A lower priority value, then an earlier arrival, still come first."""
+    s = make_scheduler(policy="priority", budget=64, max_num_seqs=3)
+    for i in range(12):
+        s.add_request(make_request(f"{i}_p", toks(100 + 10 * i, 4), arrival=5.0))
+    assert [r.request_id for r in s.waiting][:4] == ["0_p", "10_p", "11_p", "1_p"]
+    assert list(s.schedule().num_scheduled_tokens) == ["0_p", "10_p", "11_p"]
+
+    s = make_scheduler(policy="priority", budget=64, max_num_seqs=3)
+    s.add_request(make_request("a", toks(100, 4), priority=1, arrival=0.0))
+    s.add_request(make_request("c", toks(200, 4), arrival=2.0))
+    s.add_request(make_request("b", toks(300, 4), arrival=2.0))
+    s.add_request(make_request("z", toks(400, 4), arrival=1.0))
+    assert list(s.schedule().num_scheduled_tokens) == ["z", "b", "c"]
+
+
 # -- 5. the prefix hit is capped at num_tokens - 1 -----------------------
 
 
@@ -403,6 +424,56 @@ def test_a_block_filled_by_decoding_is_cached_when_it_fills():
     out, _ = step(s)
     assert new_req_data(out, "S").num_computed_tokens == 8
     assert out.num_scheduled_tokens == {"S": 1}
+
+
+def _step_prefix_stats(s: Scheduler):
+    """One step; (scheduled tokens, that step's PrefixCacheStats as counts)."""
+    out = s.schedule()
+    result = s.update_from_output(out, worker_output(s, out))
+    st = result.scheduler_stats.prefix_cache_stats
+    counts = (st.requests, st.queries, st.hits)
+    preempted = (st.preempted_requests, st.preempted_queries, st.preempted_hits)
+    return out.num_scheduled_tokens, counts, preempted
+
+
+def test_prefix_cache_stats_count_a_blocked_request_once_when_it_is_admitted():
+    """vLLM records a lookup when the request is admitted
+    (`record_prefix_cache_stats` after allocate_slots succeeds), not each
+    time the head of WAITING is looked up and does not fit.
+    5 blocks (1..4). A (13 tokens, max_tokens 3) takes all 4 blocks in step
+    1; its first block (tokens 100..103) is cached at once. B (6 tokens:
+    A's first 4, then 2 of its own) is looked up in steps 1, 2 and 3: it
+    hits 4 tokens but needs a new block and none is free, so it waits. A
+    ends after step 3 (3 tokens). Step 4 admits B: only now is B counted,
+    once: 1 request, 6 queries, 4 hits. Over the four steps: 2 requests,
+    13 + 6 = 19 queries, 4 hits (counting each lookup would give 4, 31, 12)."""
+    s = make_scheduler(blocks=5)
+    s.add_request(make_request("A", toks(100, 13), max_tokens=3))
+    s.add_request(make_request("B", toks(100, 4) + toks(200, 2)))
+    steps = [_step_prefix_stats(s) for _ in range(4)]
+    assert [sched for sched, _, _ in steps] == [{"A": 13}, {"A": 1}, {"A": 1}, {"B": 2}]
+    assert [counts for _, counts, _ in steps] == [(1, 13, 0), (0, 0, 0), (0, 0, 0), (1, 6, 4)]
+    assert all(preempted == (0, 0, 0) for _, _, preempted in steps)
+
+
+def test_prefix_cache_stats_count_a_resumed_request_once_apart_when_it_is_readmitted():
+    """A preempted request is counted in the preempted_* stats, with all its
+    tokens (prompt and output) as queries, once, when it is admitted again.
+    5 blocks (1..4). Step 1: A (8 tokens, max_tokens 3) takes [1, 2], B (7
+    tokens) [3, 4]; block 3 (B's first 4 tokens) is cached. Both sample.
+    Step 2: A's 9th token needs a block: B is preempted (free queue [4, 3])
+    and A takes block 4; a step that preempts admits nobody, so no lookup.
+    Step 3: B (now 8 tokens) hits block 3 (4 tokens) but needs one more
+    block besides it, and block 3 is the only free one: B waits, uncounted.
+    A ends (3 tokens). Step 4: B is admitted: 1 preempted request, 8
+    queries, 4 hits."""
+    s = make_scheduler(blocks=5)
+    s.add_request(make_request("A", toks(100, 8), max_tokens=3))
+    s.add_request(make_request("B", toks(200, 7)))
+    steps = [_step_prefix_stats(s) for _ in range(4)]
+    assert [sched for sched, _, _ in steps] == [{"A": 8, "B": 7}, {"A": 1}, {"A": 1}, {"B": 4}]
+    assert [counts for _, counts, _ in steps] == [(2, 15, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
+    assert [pre for _, _, pre in steps] == [(0, 0, 0), (0, 0, 0), (0, 0, 0), (1, 8, 4)]
 
 
 # -- 6. free-queue order and LRU eviction ---------------------------------

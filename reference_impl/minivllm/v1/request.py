@@ -150,6 +150,18 @@ class Request:
     def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.get_finished_reason(self.status)
 
+    def __lt__(self, other: Request) -> bool:
+        """The priority queue's order, as in vLLM: lower `priority` first,
+        then earlier arrival, then `request_id` (string order: "10" < "9"),
+        then, for two requests with the same id, creation."""
+        if self.priority != other.priority:
+            return self.priority < other.priority
+        if self.arrival_time != other.arrival_time:
+            return self.arrival_time < other.arrival_time
+        if self.request_id != other.request_id:
+            return self.request_id < other.request_id
+        return id(self) < id(other)
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, "

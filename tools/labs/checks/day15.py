@@ -921,16 +921,13 @@ def engine_allocations() -> tuple[tuple[tuple[int, int, int, int, int], int], ..
 
 def _learner_get_computed_blocks(manager: KVCacheManager, cache_hit_tokens, request):
     """KVCacheManager.get_computed_blocks with the learner's hit count."""
-    if not manager.enable_caching or request.skip_reading_prefix_cache:
+    if not manager.prefix_cache_lookup_enabled(request):
         return KVCacheBlocks([]), 0
     pool = manager.block_pool
     cached = [pool.get_cached_block(h) is not None for h in request.block_hashes]
     num_computed = cache_hit_tokens(request.num_tokens, manager.block_size, cached)
     blocks = [pool.get_cached_block(h)
               for h in request.block_hashes[: num_computed // manager.block_size]]
-    if manager.prefix_cache_stats is not None:
-        manager.prefix_cache_stats.record(request.num_tokens, num_computed,
-                                          preempted=request.num_preemptions > 0)
     return KVCacheBlocks(blocks), num_computed
 
 

@@ -8,7 +8,9 @@ The scheduler asks it three things:
 - `get_computed_blocks(request)`: the longest run of the request's full
   blocks already in the prefix cache. At most `num_tokens - 1` tokens are
   taken from it: the last token must be computed, because its logits give
-  the next token.
+  the next token. (The lookup counts nothing: the scheduler calls
+  `record_prefix_cache_stats` once the request is admitted, so a request
+  looked up again every step while it waits for room is counted once.)
 - `allocate_slots(request, num_new_tokens, ...)`: room for the K/V of the
   tokens scheduled this step, taking the cached blocks found above into
   use; None if the free blocks are too few (the scheduler then preempts).
@@ -69,9 +71,25 @@ class KVCacheManager:
         )
         return stats
 
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether the request is looked up in the prefix cache at all."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count one lookup, of the request's `num_tokens`, `num_hits` of them
+        found. The scheduler calls it when it admits a request from the waiting
+        queue (vLLM records at admission, so unscheduled lookups are not
+        counted); a request that skipped the lookup is not counted."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            request.num_tokens, num_hits, preempted=request.num_preemptions > 0
+        )
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """(cached blocks of the request's prefix, tokens they hold)."""
-        if not self.enable_caching or request.skip_reading_prefix_cache:
+        """(cached blocks of the request's prefix, tokens they hold). Counts
+        nothing in the stats: see `record_prefix_cache_stats`."""
+        if not self.prefix_cache_lookup_enabled(request):
             return KVCacheBlocks([]), 0
         # The last token's logits are needed: never take it from the cache.
         max_cache_hit_length = request.num_tokens - 1
@@ -82,10 +100,6 @@ class KVCacheManager:
                 break  # hashes are chained: nothing after a miss can hit
             computed.append(block)
         num_computed_tokens = len(computed) * self.block_size
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(
-                request.num_tokens, num_computed_tokens, preempted=request.num_preemptions > 0
-            )
         return KVCacheBlocks(computed), num_computed_tokens
 
     def allocate_slots(

@@ -11,9 +11,11 @@ class PrefixCacheStats:
     """Prefix-cache lookups since the stats were last taken.
 
     requests: lookups made (one per request scheduled from the waiting queue
-        with nothing computed: new, or resumed after preemption).
+        with nothing computed, counted when it is admitted: a request looked
+        up in several steps before there was room for it counts once).
     queries: tokens looked up (each request's `num_tokens`).
     hits: of those, tokens found in the cache.
+    preempted_*: the same, for requests resumed after preemption.
     """
 
     requests: int = 0

@@ -2,8 +2,9 @@
 `vllm/v1/core/sched/request_queue.py`).
 
 "fcfs": arrival order, with preempted requests put back at the front.
-"priority": lowest `priority` value first, then earliest arrival; a
-preempted request simply goes back in, and its key puts it where it was.
+"priority": the order of `Request.__lt__`: lowest `priority` value first,
+then earliest arrival, then `request_id` in string order; a preempted
+request simply goes back in, and its order puts it where it was.
 """
 
 from __future__ import annotations
@@ -52,25 +53,24 @@ class FCFSRequestQueue(deque):
 
 
 class PriorityRequestQueue:
-    """A heap keyed by (priority, arrival_time); ties keep insertion order."""
+    """A heap of requests, ordered by `Request.__lt__` (priority, then
+    arrival_time, then request_id), as vLLM's is."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = 0
+        self._heap: list[Request] = []
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, self._counter, request))
-        self._counter += 1
+        heapq.heappush(self._heap, request)
 
     def pop_request(self) -> Request:
-        return heapq.heappop(self._heap)[-1]
+        return heapq.heappop(self._heap)
 
     def peek_request(self) -> Request:
         if not self._heap:
             raise IndexError("peek from an empty queue")
-        return self._heap[0][-1]
+        return self._heap[0]
 
-    # Order is the key's: "prepending" is adding.
+    # Order is the requests' own: "prepending" is adding.
     prepend_request = add_request
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
@@ -82,7 +82,7 @@ class PriorityRequestQueue:
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         gone = set(map(id, requests))
-        self._heap = [entry for entry in self._heap if id(entry[-1]) not in gone]
+        self._heap = [r for r in self._heap if id(r) not in gone]
         heapq.heapify(self._heap)
 
     def __bool__(self) -> bool:
@@ -93,7 +93,7 @@ class PriorityRequestQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """In scheduling order."""
-        return (entry[-1] for entry in sorted(self._heap))
+        return iter(sorted(self._heap))
 
 
 def create_request_queue(policy: SchedulingPolicy) -> FCFSRequestQueue | PriorityRequestQueue:

@@ -15,7 +15,9 @@ with the second:
    preempted this step (room just freed is for the preempted to come back
    to). A request's cached prefix is looked up first; it gets the rest of
    its tokens, cut to the budget left: a long prompt is simply chunked.
-   The first that does not fit stops the loop.
+   The first that does not fit stops the loop. The prefix-cache stats
+   count a request's lookup when it is admitted, not each time it is
+   looked up while it waits.
 
 Chunked prefill is therefore the default, not a mode: a prompt longer than
 the budget left is split (unless `enable_chunked_prefill=False`, which makes
@@ -188,6 +190,11 @@ class Scheduler:
                 if new_blocks is None:
                     break
 
+                # Recorded at admission, as vLLM does: a request looked up in
+                # step after step while it waits for room counts once.
+                self.kv_cache_manager.record_prefix_cache_stats(
+                    request, num_new_local_computed_tokens
+                )
                 request = self.waiting.pop_request()
                 self.running.append(request)
                 if request.status == RequestStatus.WAITING:
