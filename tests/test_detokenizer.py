@@ -1,5 +1,6 @@
 """Incremental detokenization equals decoding the whole output at once,
-including characters whose UTF-8 bytes arrive in separate tokens."""
+including characters whose UTF-8 bytes arrive in separate tokens, except
+that a character still incomplete at the end is left out, as vLLM leaves it."""
 
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ def detokenize(tokenizer, token_ids: list[int], params: SamplingParams) -> tuple
         seq.output_logprobs.append({token_id: Logprob(0.0)})
         detokenizer.decode_sequence_inplace(seq, params)
         texts.append(seq.output_text)
-    detokenizer.flush(seq, params)
     return seq, texts
 
 
@@ -58,11 +58,13 @@ def test_multibyte_characters_across_tokens(tokenizer, skip_special_tokens):
             assert text == prefix
 
 
-def test_an_unfinished_character_is_flushed_at_the_end(tokenizer):
+def test_an_unfinished_character_at_the_end_is_left_out(tokenizer):
+    """vLLM's detokenizer waits for the rest of a character and never adds
+    it if the output ends first: the full decode's U+FFFD does not show."""
     token_ids = tokenizer.encode("ab") + byte_tokens(tokenizer, "😀")[:2]
     seq, texts = detokenize(tokenizer, token_ids, SamplingParams())
-    assert texts[-1] == "ab"  # waiting for the rest of the character
-    assert seq.output_text == tokenizer.decode(token_ids) == "ab\ufffd"
+    assert texts[-2:] == ["ab", "ab"]  # waiting for the rest of the character
+    assert seq.output_text == "ab" and tokenizer.decode(token_ids) == "ab\ufffd"
 
 
 def test_logprob_candidates_are_named_with_their_context(tokenizer):
@@ -87,7 +89,8 @@ def test_engine_text_equals_full_decode(tiny_model_dir):
     texts = [o.outputs[0].text for o in outs]
     tok = llm.get_tokenizer()
     decoded = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs]
-    assert texts == decoded
+    # The whole decode, less a last character the output ended inside of.
+    assert texts == [d.rstrip("\ufffd") for d in decoded]
     assert any(not text.isascii() for text in texts)  # multi-byte characters were made
 
 

@@ -98,9 +98,9 @@ def test_stop_token_ids_and_eos(llm):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
 
     # Treat that token as EOS: generation stops there unless ignore_eos.
-    checker = llm.llm_engine.stop_checker
-    saved = checker.eos_token_ids
-    checker.eos_token_ids = {stop_at}
+    engine, checker = llm.llm_engine, llm.llm_engine.stop_checker
+    saved = checker.eos_token_id, engine.eos_token_ids
+    checker.eos_token_id, engine.eos_token_ids = stop_at, {stop_at}
     try:
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
         assert (out.token_ids, out.finish_reason, out.stop_reason) == (
@@ -112,7 +112,7 @@ def test_stop_token_ids_and_eos(llm):
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         assert (out.token_ids, out.finish_reason) == (free_run, "length")
     finally:
-        checker.eos_token_ids = saved
+        checker.eos_token_id, engine.eos_token_ids = saved
 
 
 def test_max_model_len_caps_generation(tiny_model_dir):

@@ -213,9 +213,9 @@ def test_min_tokens_holds_off_eos_and_stop_tokens(llm, min_tokens):
     free_run = greedy_ids(llm, prompt, max_tokens=12)
     stop_at = free_run[1]  # make a token the model produces at once end the request
     first = free_run.index(stop_at)
-    checker = llm.llm_engine.stop_checker
-    saved = checker.eos_token_ids
-    checker.eos_token_ids = {stop_at}
+    engine, checker = llm.llm_engine, llm.llm_engine.stop_checker
+    saved = checker.eos_token_id, engine.eos_token_ids
+    checker.eos_token_id, engine.eos_token_ids = stop_at, {stop_at}
     try:
         for params in (
             SamplingParams(temperature=0, max_tokens=12),
@@ -232,7 +232,7 @@ def test_min_tokens_holds_off_eos_and_stop_tokens(llm, min_tokens):
             if out.finish_reason == "stop":
                 assert out.token_ids[-1] == stop_at
     finally:
-        checker.eos_token_ids = saved
+        checker.eos_token_id, engine.eos_token_ids = saved
 
 
 # -- logprobs -------------------------------------------------------------------

@@ -7,6 +7,8 @@ so the tests do not depend on what the random tiny model happens to say.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from minivllm import LLM, SamplingParams
@@ -78,20 +80,36 @@ def first_at(text: str, i: int, *pieces: tuple[int, int]) -> bool:
     return all(text.find(text[i + a : i + b]) == i + a for a, b in pieces)
 
 
-def test_overlapping_stop_strings_the_first_to_complete_wins(llm, free_run):
-    text, _, _ = free_run
-    # "ab" and "abc" at i: "ab" completes first.
-    i = next(i for i in range(1, len(text) - 3) if first_at(text, i, (0, 2), (0, 3)))
+def test_a_stop_string_completed_on_an_earlier_token_wins(llm, free_run):
+    """"ab" and "abc" at i, with a token ending right after "ab": "ab" is
+    found on that token, before "abc" exists, whatever the list order."""
+    text, _, ends = free_run
+    i = next(i for i in range(1, len(text) - 3)
+             if i + 2 in ends and first_at(text, i, (0, 2), (0, 3)))
     short, long = text[i : i + 2], text[i : i + 3]
     for stops in ([short, long], [long, short]):
         out = generate(llm, stop=stops)
         assert (out.text, out.stop_reason) == (text[:i], short)
-    # "abc" and "bc" complete on the same character: the longer one wins.
-    i = next(i for i in range(1, len(text) - 3) if first_at(text, i, (0, 3), (1, 3)))
-    long, suffix = text[i : i + 3], text[i + 1 : i + 3]
-    for stops in ([suffix, long], [long, suffix]):
-        out = generate(llm, stop=stops)
-        assert (out.text, out.stop_reason) == (text[:i], long)
+
+
+def test_stop_strings_completed_on_the_same_token_the_first_listed_wins(llm, free_run):
+    """v0.6 tries the stop strings in the order given and takes the first it
+    finds. A token of 2+ characters ending at e completes both "xy" (ending
+    at e - 1) and "yz" (ending at e): listed first, each one wins, and the
+    text is cut where it starts."""
+    text, _, ends = free_run
+    e = next(e for prev, e in itertools.pairwise(ends) if e - prev >= 2 and e >= 4
+             and first_at(text, e - 3, (0, 2), (1, 3)))
+    xy, yz = text[e - 3 : e - 1], text[e - 2 : e]
+    out = generate(llm, stop=[xy, yz])
+    assert (out.text, out.stop_reason) == (text[: e - 3], xy)
+    out = generate(llm, stop=[yz, xy])
+    assert (out.text, out.stop_reason) == (text[: e - 2], yz)
+    # vLLM's V1 takes the one that ends first, whatever the order.
+    v1 = LLM(llm.llm_engine.model_config.model, use_v1=True, block_size=8)
+    for stops in ([xy, yz], [yz, xy]):
+        out = generate(v1, stop=stops)
+        assert (out.text, out.stop_reason) == (text[: e - 3], xy)
 
 
 def stream(llm, request_id: str, params: SamplingParams) -> list[str]:

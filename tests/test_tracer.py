@@ -348,7 +348,7 @@ def test_dry_run_tokens_do_not_depend_on_the_batch(tiny_model_dir):
     vocab = alone.model_config.hf_config.vocab_size
     expected, prev = [], 13  # the prompt's last token, at position 11
     for position in range(11, 31):
-        prev = dry_run_token(0, "mine", position, prev, 0, vocab, alone.stop_checker.eos_token_ids)
+        prev = dry_run_token(0, "mine", position, prev, 0, vocab, alone.eos_token_ids)
         expected.append(prev)
     assert mine == expected
 

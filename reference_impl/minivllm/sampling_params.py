@@ -90,8 +90,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     # Every token id that ends this request: stop_token_ids, plus the EOS ids
-    # that the engine adds when it accepts the request. The sampler masks
-    # them while fewer than min_tokens tokens exist.
+    # that the engine adds when it accepts the request
+    # (`update_from_generation_config`). The sampler masks them while fewer
+    # than min_tokens tokens exist.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +102,24 @@ class SamplingParams:
             # As in vLLM: the argmax ignores these, and logprobs then
             # describe the distribution before truncation.
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    def update_from_generation_config(
+        self, eos_token_ids: set[int], model_eos_token_id: int | None
+    ) -> None:
+        """Add the model's EOS ids to this request's copy, as vLLM's method of
+        the same name does when the engine accepts a request (vLLM reads them
+        from the generation config; `eos_token_ids` holds the tokenizer's and
+        the generation config's, inputs/preprocess.py::get_eos_token_ids).
+
+        Every one is banned before min_tokens, even with ignore_eos. The
+        tokenizer's own (`model_eos_token_id`) ends the request as EOS
+        (stop_reason None); the others (Llama 3's <|eot_id|>) become stop
+        tokens, so stop_reason names them, unless ignore_eos.
+        """
+        self.all_stop_token_ids |= eos_token_ids
+        extra = eos_token_ids - {model_eos_token_id} - set(self.stop_token_ids)
+        if extra and not self.ignore_eos:
+            self.stop_token_ids = list(self.stop_token_ids) + sorted(extra)
 
     def _verify_args(self) -> None:
         """Check every field, and store it in its plain type (an int given

@@ -105,13 +105,13 @@ class LLMEngine:
         self.scheduler: Scheduler = self.scheduler_config.scheduler_cls(
             self.scheduler_config, self.cache_config
         )
+        # The tokenizer's EOS and any the generation config adds.
+        self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_config.local_path)
         self.stop_checker = StopChecker(
-            self.model_config.max_model_len,
-            get_eos_token_ids(self.tokenizer, self.model_config.local_path),
+            self.model_config.max_model_len, self.tokenizer.eos_token_id
         )
         self.input_preprocessor = InputPreprocessor(
-            self.tokenizer, self.model_config, self.scheduler_config,
-            self.stop_checker.eos_token_ids,
+            self.tokenizer, self.model_config, self.scheduler_config, self.eos_token_ids
         )
         # Requests aborted since the last step: their final outputs go out then.
         self._aborted: list[SequenceGroup] = []
@@ -162,11 +162,9 @@ class LLMEngine:
             request_id, prompt, params, arrival_time, priority
         )
         priority = int(priority)
-        # The request's own copy, to which the engine adds its EOS ids: the
-        # sampler bans them, like the stop tokens, before min_tokens.
+        # The request's own copy, to which the engine adds its EOS ids.
         params = copy.deepcopy(params)
-        if not params.ignore_eos:
-            params.all_stop_token_ids |= self.stop_checker.eos_token_ids
+        params.update_from_generation_config(self.eos_token_ids, self.tokenizer.eos_token_id)
         # One sequence for the prompt; it forks into best_of after its prefill.
         seqs = [
             Sequence(
@@ -439,7 +437,6 @@ class LLMEngine:
         new_char_count = self.detokenizer.decode_sequence_inplace(seq, params)
         self.stop_checker.maybe_stop_sequence(seq, new_char_count, params)
         if seq.is_finished():
-            self.detokenizer.flush(seq, params)
             self.scheduler.free_seq(seq)
 
     def _append_prompt_logprobs(

@@ -110,9 +110,7 @@ class InputPreprocessor:
                 f"Request {request_id!r}: stop_token_ids {bad[:5]} are outside the "
                 f"vocabulary [0, {vocab})"
             )
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= self.eos_token_ids
+        stops = set(params.stop_token_ids) | self.eos_token_ids  # all banned, ignore_eos or not
         bans_stops = params.min_tokens > 0 or self.model_config.dry_run
         if bans_stops and len(stops) >= vocab and stops >= set(range(vocab)):
             # The sampler bans them before min_tokens (the dry run always):

@@ -15,7 +15,11 @@ of recent tokens with and without the new ones:
 
 When that ends in an incomplete character, nothing is added and the
 window waits for the next token. The result equals decoding all output
-tokens at once (without `clean_up_tokenization_spaces`, as vLLM does).
+tokens at once (without `clean_up_tokenization_spaces`, as vLLM does),
+except at the very end: a character still incomplete when the sequence
+finishes is never added (the full decode would show it as U+FFFD), and
+neither is the text of a stop token or EOS that ended it
+(engine/stop_checker.py), as in vLLM.
 """
 
 from __future__ import annotations
@@ -70,23 +74,16 @@ class Detokenizer:
             output_ids = seq.get_output_token_ids()
             context = output_ids[-_LOGPROB_CONTEXT_TOKENS - 1 : -1]
             self._decode_candidates(seq.output_logprobs[-1], context, params)
-        return self._append_new_text(seq, params, final=False)
+        return self._append_new_text(seq, params)
 
-    def flush(self, seq: Sequence, params: SamplingParams) -> None:
-        """Append the text still waiting for the rest of a character, once
-        the sequence has finished: it will not complete now, and the full
-        decode shows it as U+FFFD."""
-        self._append_new_text(seq, params, final=True)
-
-    def _append_new_text(self, seq: Sequence, params: SamplingParams, final: bool) -> int:
+    def _append_new_text(self, seq: Sequence, params: SamplingParams) -> int:
         token_ids = seq.get_output_token_ids()
         if seq.read_offset == len(token_ids):
             return 0
         prefix_text = self._decode(token_ids[seq.prefix_offset : seq.read_offset], params)
         text = self._decode(token_ids[seq.prefix_offset :], params)
-        incomplete = len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT_CHAR)
-        if incomplete and not final:
-            return 0
+        if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT_CHAR):
+            return 0  # an incomplete character: wait for the next token
         new_text = text[len(prefix_text) :]
         seq.output_text += new_text
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(token_ids)

@@ -61,14 +61,8 @@ class InputProcessor:
                 "engine yet; use the classic engine"
             )
         params = copy.deepcopy(params)
-        # One EOS is the request's; others the generation config lists
-        # become stop tokens, as vLLM's `update_from_generation_config` does.
         eos_token_id = self.tokenizer.eos_token_id
-        if not params.ignore_eos:
-            extra = sorted(self.eos_token_ids - {eos_token_id} - set(params.stop_token_ids))
-            params.stop_token_ids = list(params.stop_token_ids) + extra
-            # The sampler bans every stop token before min_tokens.
-            params.all_stop_token_ids |= self.eos_token_ids
+        params.update_from_generation_config(self.eos_token_ids, eos_token_id)
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(prompt_token_ids)
         request = EngineCoreRequest(

@@ -140,11 +140,12 @@ class OutputProcessor:
             state.num_cached_tokens = output.num_cached_tokens
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             stop_str = state.detokenizer.update(
-                output.new_token_ids, output.new_logprobs, finish_reason is not None
+                output.new_token_ids, output.new_logprobs, finish_reason == FinishReason.STOP
             )
-            if stop_str is not None and finish_reason is None:
+            if stop_str is not None:  # wins over a length limit reached on the same token
+                if finish_reason is None:  # the core still runs it
+                    reqs_to_abort.append(output.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
-                reqs_to_abort.append(output.request_id)
             if output.new_logprobs is not None:
                 for token_id, entry in zip(output.new_token_ids, output.new_logprobs, strict=True):
                     state.cumulative_logprob += entry[token_id].logprob
