@@ -127,3 +127,20 @@ def test_a_stop_string_within_min_tokens(llm, free_run):
     else:
         assert (out.token_ids, out.finish_reason) == (free_run[:k], "stop")
         assert out.text == text[: -len(stop)]
+
+
+def test_a_running_request_holds_back_the_longest_stop_string_less_one(llm, free_run):
+    """vLLM's rule in both engines: while a request runs, its last
+    max(len(stop)) - 1 characters are not shown, whether or not they could
+    start a stop string; the final output shows everything."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=["zz", "zzzzzz"])
+    engine.add_request("held", PROMPT, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [(o.outputs[0].text, len(o.outputs[0].token_ids), o.finished)
+                 for o in engine.step()]
+    assert [n for _, n, _ in seen] == list(range(1, 9))
+    for text, n, finished in seen:
+        full = text_of(llm, free_run[:n])
+        assert text == (full if finished else full[:-5])

@@ -61,7 +61,7 @@ class RequestOutput:
         outputs = [
             CompletionOutput(
                 index=i,
-                text=seq.get_output_text_to_return(params),
+                text=seq.get_output_text_to_return(params.output_text_buffer_length),
                 token_ids=list(seq.get_output_token_ids()),
                 cumulative_logprob=seq.get_cumulative_logprob(),
                 logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,

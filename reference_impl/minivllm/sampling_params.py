@@ -103,6 +103,15 @@ class SamplingParams:
             # describe the distribution before truncation.
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
 
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters of a running request's text not shown yet: one fewer
+        than the longest stop string, which they could be the start of (none
+        when the stop string stays in the text anyway). vLLM's name."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
     def update_from_generation_config(
         self, eos_token_ids: set[int], model_eos_token_id: int | None
     ) -> None:

@@ -195,23 +195,16 @@ class Sequence:
     def get_cumulative_logprob(self) -> float:
         return self.data.cumulative_logprob
 
-    def get_output_text_to_return(self, params: SamplingParams) -> str:
-        """The output text that is safe to show now.
-
-        While generating, a tail that may be the start of a stop string is
-        held back: if the stop string completed, that text would have to be
-        taken back. With include_stop_str_in_output it stays in the final
-        text anyway, so nothing is held. Once finished, all text is final.
+    def get_output_text_to_return(self, buffer_length: int) -> str:
+        """The output text that is safe to show now: while generating, all
+        but its last `buffer_length` characters
+        (`SamplingParams.output_text_buffer_length`), which could be the start
+        of a stop string that would have to be taken back; once finished, all
+        of it (vLLM v0.6's rule).
         """
-        if self.is_finished() or params.include_stop_str_in_output:
-            return self.output_text
-        text = self.output_text
-        longest = max((len(s) for s in params.stop), default=0)
-        for held in range(min(longest - 1, len(text)), 0, -1):
-            tail = text[-held:]
-            if any(len(s) > held and s.startswith(tail) for s in params.stop):
-                return text[:-held]
-        return text
+        if buffer_length and not self.is_finished():
+            return self.output_text[:-buffer_length]
+        return self.output_text
 
     def get_num_new_tokens(self) -> int:
         """Tokens this sequence feeds the model next step: all uncomputed ones."""

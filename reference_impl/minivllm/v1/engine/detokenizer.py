@@ -28,9 +28,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.prefix_offset = 0
         self.read_offset = 0
-        self.stop_buffer_length = (
-            0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
-        )
+        self.stop_buffer_length = params.output_text_buffer_length
 
     def get_output_token_ids(self) -> list[int]:
         return self.output_token_ids
