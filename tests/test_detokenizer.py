@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from minivllm import LLM, SamplingParams
 from minivllm.sequence import Logprob, Sequence
 from minivllm.transformers_utils.detokenizer import Detokenizer
+from minivllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +109,40 @@ def test_the_backend_shortcut_decodes_like_the_tokenizer(tokenizer, skip_special
             ids[:end], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
         assert detokenizer._decode(ids[:end], params) == expected
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's, Mistral's kind), trained
+    here: "▁there" is a word start, which decodes to "there" at the start of
+    a text and to " there" after another word."""
+    from tokenizers import SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["Once upon a time there was a little dog who lived by the sea."] * 20
+    trained = SentencePieceBPETokenizer()
+    trained.train_from_iterator(corpus, vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=trained, unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def test_the_first_output_token_is_decoded_after_the_prompt(sentencepiece_tokenizer):
+    """vLLM decodes the first output tokens after the prompt's last tokens,
+    so the output's text is what it adds to the prompt's: " there was ...",
+    not "there was ..." (the output decoded alone), in both engines."""
+    tok = sentencepiece_tokenizer
+    prompt, out = tok.encode("Once upon a time"), tok.encode(" there was a little dog")
+    added = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    assert added.startswith(" there") and not tok.decode(out).startswith(" ")
+    params = SamplingParams(logprobs=0)
+    seq = Sequence(0, None, prompt, block_size=16)
+    detokenizer = Detokenizer(tok)
+    v1 = IncrementalDetokenizer(detokenizer, params, prompt)
+    for token_id in out:
+        seq.append_token_id(token_id, 0.0)
+        seq.output_logprobs.append({token_id: Logprob(0.0)})
+        detokenizer.decode_sequence_inplace(seq, params)
+        v1.update([token_id], [{token_id: Logprob(0.0)}], stop_terminated=False)
+    assert seq.output_text == v1.output_text == added
+    # The first token's logprob entry is named the same way.
+    assert seq.output_logprobs[0][out[0]].decoded_token == " there"

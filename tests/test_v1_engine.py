@@ -167,12 +167,12 @@ def test_stop_strings_and_texts_equal_the_classic_engine():
 def test_streamed_text_holds_back_a_possible_stop_string():
     """While running, the last len(longest stop) - 1 characters are not shown
     (vLLM V1's hold-back), so a stop string is never shown, then taken back."""
-    detok = IncrementalDetokenizer(None, SamplingParams(stop=["prince", "ab"]))
+    detok = IncrementalDetokenizer(None, SamplingParams(stop=["prince", "ab"]), [5])
     detok.output_text = "once a pri"
     assert detok.get_next_output_text(finished=False) == "once "  # 10 - (6 - 1) characters
     assert detok.get_next_output_text(finished=True) == "once a pri"
     kept = IncrementalDetokenizer(
-        None, SamplingParams(stop=["prince"], include_stop_str_in_output=True)
+        None, SamplingParams(stop=["prince"], include_stop_str_in_output=True), [5]
     )
     kept.output_text = "once a pri"  # the stop string stays in the text: nothing to hide
     assert kept.get_next_output_text(finished=False) == "once a pri"

@@ -13,8 +13,11 @@ of recent tokens with and without the new ones:
 
     new text = decode(tokens[prefix_offset:])[len(decode(tokens[prefix_offset:read_offset])):]
 
-When that ends in an incomplete character, nothing is added and the
-window waits for the next token. The result equals decoding all output
+Until the first output tokens are in output_text, the context is the
+prompt's last 5 tokens instead, as vLLM's (so a SentencePiece word start
+keeps its space); unless they do not decode to whole characters, when
+there is none. When the new text ends in an incomplete character, nothing
+is added and the window waits for the next token. The result equals decoding all output
 tokens at once (without `clean_up_tokenization_spaces`, as vLLM does),
 except at the very end: a character still incomplete when the sequence
 finishes is never added (the full decode would show it as U+FFFD), and
@@ -36,6 +39,9 @@ _REPLACEMENT_CHAR = "\ufffd"
 # Tokens before a logprob candidate that it is decoded after: enough for the
 # rest of a 4-byte UTF-8 character and for a SentencePiece word start.
 _LOGPROB_CONTEXT_TOKENS = 4
+# Prompt tokens the first output tokens are decoded after (vLLM's
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+_PROMPT_CONTEXT_TOKENS = 5
 
 
 class Detokenizer:
@@ -73,15 +79,28 @@ class Detokenizer:
         if params.logprobs is not None:
             output_ids = seq.get_output_token_ids()
             context = output_ids[-_LOGPROB_CONTEXT_TOKENS - 1 : -1]
+            if len(context) < _LOGPROB_CONTEXT_TOKENS:  # the first tokens: after the prompt's
+                context = (seq.prompt_token_ids[-_LOGPROB_CONTEXT_TOKENS:] + context)[
+                    -_LOGPROB_CONTEXT_TOKENS:
+                ]
             self._decode_candidates(seq.output_logprobs[-1], context, params)
         return self._append_new_text(seq, params)
+
+    def _prompt_context(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last tokens, if they decode to whole characters."""
+        tail = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+        return [] if _REPLACEMENT_CHAR in self._decode(tail, params) else tail
 
     def _append_new_text(self, seq: Sequence, params: SamplingParams) -> int:
         token_ids = seq.get_output_token_ids()
         if seq.read_offset == len(token_ids):
             return 0
-        prefix_text = self._decode(token_ids[seq.prefix_offset : seq.read_offset], params)
-        text = self._decode(token_ids[seq.prefix_offset :], params)
+        if seq.read_offset:
+            context = token_ids[seq.prefix_offset : seq.read_offset]
+        else:  # no output text yet
+            context = self._prompt_context(seq.prompt_token_ids, params)
+        prefix_text = self._decode(context, params)
+        text = self._decode(context + token_ids[seq.read_offset :], params)
         if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT_CHAR):
             return 0  # an incomplete character: wait for the next token
         new_text = text[len(prefix_text) :]

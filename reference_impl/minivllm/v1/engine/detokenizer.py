@@ -19,9 +19,12 @@ from minivllm.transformers_utils.detokenizer import Detokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, detokenizer: Detokenizer, params: SamplingParams) -> None:
+    def __init__(
+        self, detokenizer: Detokenizer, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> None:
         self.detokenizer = detokenizer
         self.params = params
+        self.prompt_token_ids = prompt_token_ids
         # What the classic Detokenizer reads and writes on a sequence.
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[PositionLogprobs] = []

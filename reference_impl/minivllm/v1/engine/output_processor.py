@@ -109,7 +109,7 @@ class OutputProcessor:
             prompt,
             request.prompt_token_ids,
             params,
-            IncrementalDetokenizer(self.detokenizer, params),
+            IncrementalDetokenizer(self.detokenizer, params, request.prompt_token_ids),
             parent,
             index,
             metrics=RequestMetrics(request.arrival_time),
