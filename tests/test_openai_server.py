@@ -173,7 +173,7 @@ def test_streamed_completion_matches_and_follows_the_wire_format(server, llm):
     assert [c["choices"][0]["finish_reason"] for c in token_chunks] == [None] * (
         len(token_chunks) - 1
     ) + ["length"]
-    assert all("usage" not in c for c in token_chunks)
+    assert all(c["usage"] is None for c in token_chunks)  # vLLM's completions chunks
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"] == {
         "prompt_tokens": 5,
@@ -374,6 +374,34 @@ def test_tokenize_and_detokenize(server, llm):
     assert chat["tokens"] == ids  # the template writes BOS, then the text
 
 
+def test_the_answer_continues_the_last_message_without_a_generation_prompt(server, client):
+    """vLLM's get_chat_request_role: without a generation prompt the model
+    continues the last message, so the answer has that message's role."""
+    body = dict(model=MODEL, max_tokens=3, temperature=0,
+                messages=[{"role": "user", "content": PROMPTS[0]}],
+                extra_body={"add_generation_prompt": False})
+    assert client.chat.completions.create(**body).choices[0].message.role == "user"
+    first = next(iter(client.chat.completions.create(**body, stream=True)))
+    assert first.choices[0].delta.role == "user"
+    with_prompt = {**body, "extra_body": {}}
+    assert client.chat.completions.create(**with_prompt).choices[0].message.role == "assistant"
+
+
+def test_completion_chunks_carry_a_null_usage_chat_chunks_none(server):
+    """vLLM's streams: each completions chunk has "usage": null until the
+    usage chunk; chat chunks leave usage out."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url_for("v1", "completions"), json=body) as response:
+        chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["total_tokens"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.url_for("v1", "chat", "completions"), json=chat) as response:
+        chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert chunks and all("usage" not in c for c in chunks)
+
+
 def test_text_parts_of_a_message_are_joined_one_per_line(server):
     """vLLM joins a message's text parts with newlines: the prompt is the
     one a single string with the newline gives."""
@@ -519,14 +547,16 @@ def test_malformed_requests_are_400_naming_the_field_and_the_server_keeps_servin
     assert len(cases) >= 100
     for route, body, field in cases:
         _expect_400(server, route, body, field)
-    # Not JSON at all, or not an object.
-    for raw in (b"{not json", b"[1, 2]", b""):
+    # Not JSON at all, or not an object: no field to name.
+    for raw in (b"{not json", b'{"model":', b"[1, 2]", b""):
         r = httpx.post(
             server.url_for("v1", "completions"),
             content=raw,
             headers={"content-type": "application/json"},
         )
-        assert r.status_code == 400 and "error" in r.json()
+        assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+        if raw.startswith(b"{"):
+            assert "the body is not JSON" in r.json()["error"]["message"]
     assert client.completions.create(**COMPLETION).choices[0].text
     assert httpx.get(server.url_for("health")).status_code == 200
 

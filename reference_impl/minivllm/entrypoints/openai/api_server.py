@@ -175,7 +175,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         for err in errors[:3]:
             path = _field_path(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
-            if not path:  # a check of the whole request: its message names the field
+            if err["type"] == "json_invalid":  # no field to name: loc holds a character position
+                reason = err.get("ctx", {}).get("error", msg)
+                path, msg = [], f"the body is not JSON: {reason} at character {err['loc'][-1]}"
+            elif not path and err["type"] == "value_error":
+                # A check of the whole request: its message starts with the field.
                 first = msg.split()[0] if msg else ""
                 path = [first] if first.isidentifier() else []
             params.append(path[0] if path else None)

@@ -75,10 +75,19 @@ class OpenAIServingChat(OpenAIServing):
             raise self.engine_error(e, request) from e
         return JSONResponse(self._full_response(request, final, request_id, created))
 
+    def get_chat_request_role(self, request: ChatCompletionRequest) -> str:
+        """The answer's role (vLLM's method): --response-role after a
+        generation prompt; without one the model continues the last message,
+        so the answer has that message's role."""
+        if request.add_generation_prompt:
+            return self.served.response_role
+        return request.messages[-1].role
+
     def _echoed(self, request: ChatCompletionRequest) -> str:
         """With echo, the last message's content if it has the answer's role."""
         last = request.messages[-1]
-        return last.text() if request.echo and last.role == self.served.response_role else ""
+        same_role = last.role == self.get_chat_request_role(request)
+        return last.text() if request.echo and same_role else ""
 
     def _full_response(
         self, request: ChatCompletionRequest, final: RequestOutput, request_id: str, created: int
@@ -88,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponseChoice(
                 index=completion.index,
                 message=ChatMessage(
-                    role=self.served.response_role, content=echoed + completion.text
+                    role=self.get_chat_request_role(request), content=echoed + completion.text
                 ),
                 logprobs=self._logprobs(request, completion, 0, len(completion.token_ids)),
                 finish_reason=completion.finish_reason,
@@ -123,7 +132,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             echoed = self._echoed(request)
             for index in range(n):
-                role = DeltaMessage(role=self.served.response_role, content="")
+                role = DeltaMessage(role=self.get_chat_request_role(request), content="")
                 yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
                 if echoed:
                     echo = DeltaMessage(content=echoed)

@@ -152,7 +152,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=self.model_name, choices=[choice]
                     )
-                    yield sse(chunk)
+                    yield sse(chunk, null_usage=True)
             if request.include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
                 num_generated = sum(state.num_tokens for state in progress.values())

@@ -296,9 +296,11 @@ def json_logprob(logprob: float) -> float:
     return max(logprob, MIN_JSON_LOGPROB)
 
 
-def sse(chunk: BaseModel) -> str:
-    """One server-sent event; `usage` appears only in chunks that have it."""
-    exclude = {"usage"} if getattr(chunk, "usage", 0) is None else None
+def sse(chunk: BaseModel, null_usage: bool = False) -> str:
+    """One server-sent event. `usage` appears only in chunks that have it,
+    unless `null_usage`: vLLM's completions stream writes `"usage": null` in
+    every other chunk (its chat stream leaves it out), as OpenAI's does."""
+    exclude = {"usage"} if getattr(chunk, "usage", 0) is None and not null_usage else None
     return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
 
