@@ -362,6 +362,49 @@ def test_logprobs_of_filtered_tokens_are_clamped_as_vllm_does(server, client, ll
     assert -9999.0 in values and all(v >= -9999.0 for v in values)
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, client, llm):
+    """vLLM's echo: the prompt's tokens and logprobs come first (the first
+    token's null: nothing predicts it), then the answer's; with max_tokens=0
+    the prompt alone, as a client scoring a text asks for it. The oracle: the
+    offline engine's prompt_logprobs and logprobs for the same request."""
+    prompt, k = PROMPTS[2], 2
+    expected = offline(llm, prompt, max_tokens=3, temperature=0, logprobs=k, prompt_logprobs=k)
+    ids = expected.prompt_token_ids
+    completion = expected.outputs[0]
+    scores = [None] + [p[t].logprob for t, p in zip(ids[1:], expected.prompt_logprobs[1:],
+                                                     strict=True)]
+    answer_scores = [p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs,
+                                                   strict=True)]
+
+    def check(lp, want):
+        assert len(lp.tokens) == len(want) == len(lp.text_offset)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(want))]
+        for got, value in zip(lp.token_logprobs[1:], want[1:], strict=True):
+            assert math.isclose(got, value, rel_tol=1e-5, abs_tol=1e-6)
+
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                     logprobs=k, temperature=0)
+    assert only.choices[0].text == prompt and only.choices[0].finish_reason == "length"
+    check(only.choices[0].logprobs, scores)
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True,
+                                     logprobs=k, temperature=0)
+    assert full.choices[0].text == prompt + completion.text
+    check(full.choices[0].logprobs, scores + answer_scores)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True,
+                                         logprobs=k, temperature=0, stream=True)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == prompt + completion.text
+    merged = [t for c in chunks for t in c.logprobs.tokens]
+    assert merged == full.choices[0].logprobs.tokens
+    # As vLLM's stream: the first chunk's offsets are the whole answer's; each
+    # later chunk's first token starts at the length of the text sent before it.
+    first = len(chunks[0].logprobs.tokens)
+    assert chunks[0].logprobs.text_offset == full.choices[0].logprobs.text_offset[:first]
+    for j, chunk in enumerate(chunks[1:], start=1):
+        assert chunk.logprobs.text_offset[0] == sum(len(c.text) for c in chunks[:j])
+
+
 def test_tokenize_and_detokenize(server, llm):
     tokens = httpx.post(server.url_for("tokenize"), json={"prompt": PROMPTS[2]}).json()
     ids = llm.get_tokenizer().encode(PROMPTS[2])
@@ -529,7 +572,7 @@ def test_malformed_requests_are_400_naming_the_field_and_the_server_keeps_servin
             {**COMPLETION, "best_of": 3, "n": 2, "temperature": 1, "stream": True},
             "best_of",
         ),
-        (("v1", "completions"), {**COMPLETION, "echo": True, "logprobs": 1}, "echo"),
+        (("v1", "completions"), {**COMPLETION, "max_tokens": 0}, "max_tokens"),  # echo's only
         (("v1", "completions"), {**COMPLETION, "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
         (("v1", "completions"), {**COMPLETION, "best_of": 300, "temperature": 1}, "best_of"),
         (("v1", "completions"), {k: v for k, v in COMPLETION.items() if k != "prompt"}, "prompt"),

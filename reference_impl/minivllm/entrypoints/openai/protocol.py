@@ -141,21 +141,27 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # The prompt in front of the answer; with logprobs, the prompt's too (the
+    # first token's are null: nothing predicts it). With max_tokens=0, the
+    # prompt alone: how a client scores a text (lm-evaluation-harness does).
     echo: bool | None = False
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            # The prompt's logprobs would be owed too (vLLM computes them).
-            raise ValueError("echo together with logprobs is not supported")
-        return self
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: the answer is the prompt, nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def to_sampling_params(self) -> SamplingParams:
-        """Raises ValueError naming the field, as `SamplingParams` does."""
+        """Raises ValueError naming the field, as `SamplingParams` does. As
+        vLLM, echo_only runs one token (the engine must sample one), which is
+        not returned, though usage counts it."""
         kwargs = self._sampling_kwargs()
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
-        return SamplingParams(max_tokens=self.max_tokens, **kwargs)
+            if self.echo:
+                kwargs["prompt_logprobs"] = self.logprobs
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return SamplingParams(max_tokens=max_tokens, **kwargs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):

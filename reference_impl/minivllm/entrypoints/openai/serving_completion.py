@@ -92,12 +92,12 @@ class OpenAIServingCompletion(OpenAIServing):
         num_generated = 0
         for prompt_index, output in sorted(finals.items()):
             for completion in output.outputs:
-                text = completion.text
-                if request.echo:
-                    text = prompts[prompt_index][0] + text
+                text, token_ids, positions = self._answer(
+                    request, prompts[prompt_index][0], output, completion, 0, completion.text
+                )
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._logprobs(completion, 0, len(completion.token_ids), 0)
+                    logprobs = self._logprobs(token_ids, positions, 0)
                 choices.append(
                     CompletionResponseChoice(
                         index=prompt_index * (request.n or 1) + completion.index,
@@ -134,14 +134,16 @@ class OpenAIServingCompletion(OpenAIServing):
                     delta = state.advance(completion)
                     if delta is None:
                         continue
-                    text = delta.text
-                    if request.echo and delta.first_token == 0:
-                        text = prompts[prompt_index][0] + text
+                    text, token_ids, positions = self._answer(
+                        request, prompts[prompt_index][0], output, completion,
+                        delta.first_token, delta.text,
+                    )
                     logprobs = None
                     if request.logprobs is not None:
-                        logprobs = self._logprobs(
-                            completion, delta.first_token, state.num_tokens, delta.first_char
-                        )
+                        # Offsets count the echoed prompt's text too.
+                        echoed = len(prompts[prompt_index][0]) if request.echo else 0
+                        offset = delta.first_char + echoed if delta.first_token else 0
+                        logprobs = self._logprobs(token_ids, positions, offset)
                     choice = CompletionResponseChoice(
                         index=index,
                         text=text,
@@ -165,18 +167,43 @@ class OpenAIServingCompletion(OpenAIServing):
             yield self.sse_error(e, request)
         yield SSE_DONE
 
+    @staticmethod
+    def _answer(
+        request: CompletionRequest, prompt_text: str, output: RequestOutput,
+        completion: CompletionOutput, first_token: int, text: str,
+    ) -> tuple[str, list[int], list[PositionLogprobs | None]]:
+        """(text, token ids, their logprobs) a choice answers, given its new
+        `text` and its tokens from `first_token` on, as vLLM builds them: with
+        echo the prompt comes first, its logprobs too (prompt_logprobs); with
+        max_tokens=0 the prompt alone."""
+        token_ids = completion.token_ids[first_token:]
+        positions = (completion.logprobs or [])[first_token:]
+        prompt_positions = output.prompt_logprobs or []
+        if request.echo_only:
+            if first_token:
+                return "", [], []
+            return prompt_text, output.prompt_token_ids, prompt_positions
+        if request.echo and first_token == 0:
+            return (prompt_text + text, output.prompt_token_ids + token_ids,
+                    prompt_positions + positions)
+        return text, token_ids, positions
+
     def _logprobs(
-        self, completion: CompletionOutput, start: int, end: int, text_offset: int
+        self, token_ids: list[int], positions: list[PositionLogprobs | None], text_offset: int
     ) -> CompletionLogProbs:
-        """OpenAI's legacy logprobs of tokens [start, end) of `completion`."""
+        """OpenAI's legacy logprobs of `token_ids`; a position without any
+        (a prompt's first token) is null, as in vLLM."""
         result = CompletionLogProbs()
-        for token_id, position in zip(
-            completion.token_ids[start:end], completion.logprobs[start:end], strict=True
-        ):
-            token = logprob_token(self.tokenizer, token_id, position)
+        for token_id, position in zip(token_ids, positions, strict=True):
+            if position is None:
+                token = self.tokenizer.decode([token_id])
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                token = logprob_token(self.tokenizer, token_id, position)
+                result.token_logprobs.append(json_logprob(position[token_id].logprob))
+                result.top_logprobs.append(_top_logprobs(self.tokenizer, position))
             result.tokens.append(token)
-            result.token_logprobs.append(json_logprob(position[token_id].logprob))
-            result.top_logprobs.append(_top_logprobs(self.tokenizer, position))
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result
