@@ -184,9 +184,9 @@ def test_n2_streams_two_indexed_choices(client, llm):
             finishes[choice.index] = choice.finish_reason
     assert finishes == {0: "length", 1: "length"}
     expected = offline(llm, PROMPTS[0], max_tokens=12, temperature=1.0, seed=7, n=2)
-    assert [texts[0], texts[1]] == [c.text for c in expected.outputs]
+    assert texts == {c.index: c.text for c in expected.outputs}
     full = client.completions.create(**kwargs)
-    assert [c.text for c in full.choices] == [texts[0], texts[1]]
+    assert {c.index: c.text for c in full.choices} == texts
     assert full.usage.completion_tokens == 24
 
 

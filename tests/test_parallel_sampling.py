@@ -31,7 +31,8 @@ def test_forks_copy_on_write_and_match_hf(
     poison_kv_cache(llm)
     moves = record_block_moves(llm, monkeypatch)
     prompt = list(range(30, 30 + prompt_len))
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True,
+                            logprobs=0)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert len(moves["copy"]) == num_copies
     assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) == 3
@@ -61,13 +62,21 @@ def test_fork_allocates_nothing(tiny_model_dir):
 def test_best_of_keeps_the_n_most_likely(tiny_model_dir):
     llm = LLM(tiny_model_dir("llama"))
     prompt = [[9, 8, 7, 6, 5]]
-    every = llm.generate(prompt, SamplingParams(n=4, seed=3, max_tokens=8), use_tqdm=False)[0]
+    params = SamplingParams(n=4, seed=3, max_tokens=8, logprobs=0)
+    every = llm.generate(prompt, params, use_tqdm=False)[0]
+    # v0.6: the most likely first, each with its place in the group as index.
+    scores = [c.cumulative_logprob for c in every.outputs]
+    assert scores == sorted(scores, reverse=True)
+    assert sorted(c.index for c in every.outputs) == [0, 1, 2, 3]
     best = llm.generate(
-        prompt, SamplingParams(n=2, best_of=4, seed=3, max_tokens=8), use_tqdm=False
+        prompt, SamplingParams(n=2, best_of=4, seed=3, max_tokens=8, logprobs=0), use_tqdm=False
     )[0]
-    ranked = sorted(every.outputs, key=lambda c: c.cumulative_logprob, reverse=True)
-    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in every.outputs[:2]]
     assert [c.index for c in best.outputs] == [0, 1]
+    # Without logprobs no cumulative logprob, as in v0.6.
+    plain = llm.generate(prompt, SamplingParams(n=4, seed=3, max_tokens=8), use_tqdm=False)[0]
+    assert [c.cumulative_logprob for c in plain.outputs] == [None] * 4
+    assert [c.token_ids for c in plain.outputs] == [c.token_ids for c in every.outputs]
 
 
 @pytest.mark.parametrize("mode", [None, "recompute"])

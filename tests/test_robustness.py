@@ -32,7 +32,9 @@ from tests.test_parallel_sampling import hf_cumulative_logprob
 PROMPT_A = list(range(20, 28))  # greedy, long: it fills the cache
 PROMPT_B = list(range(40, 46))  # n=2, seeded: the victim
 PARAMS_A = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-PARAMS_B = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+# logprobs=0: the cumulative logprob is reported (v0.6 gives it only with logprobs).
+PARAMS_B = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True,
+                          logprobs=0)
 
 
 def run_with_first_sequence_stopped(llm: LLM) -> dict:

@@ -82,7 +82,8 @@ def test_top_k_1_is_greedy(llm):
 
 def test_cumulative_logprob_is_the_sum_of_greedy_logprobs(llm, hf_model):
     prompt = [12, 40, 7, 300]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
     tokens = out.outputs[0].token_ids
     with torch.no_grad():
         logits = hf_model("llama")(torch.tensor([prompt + tokens])).logits[0]

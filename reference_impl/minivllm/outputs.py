@@ -51,24 +51,30 @@ class RequestOutput:
 
     @classmethod
     def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:
+        """vLLM v0.6's choice of outputs: of several sequences, the n with the
+        highest cumulative logprob so far, most likely first. Each keeps its
+        place in the group as `index`, so a stream's choices stay apart while
+        their order changes; with best_of > n the index is the rank among
+        those returned instead (vLLM's place in the group could exceed n - 1).
+        cumulative_logprob only with logprobs, as in v0.6."""
         params = seq_group.sampling_params
         seqs = sorted(seq_group.get_seqs(), key=lambda s: s.seq_id)
-        if params.best_of > params.n:
-            # best_of: return the n most likely sequences (so far).
-            seqs = sorted(seqs, key=lambda s: s.get_cumulative_logprob(), reverse=True)
-        seqs = seqs[: params.n]
+        top = seqs
+        if len(seqs) > 1:
+            top = sorted(seqs, key=lambda s: s.get_cumulative_logprob(), reverse=True)[: params.n]
+        with_logprobs = params.logprobs is not None
         prompt_logprobs = seq_group.prompt_logprobs
         outputs = [
             CompletionOutput(
-                index=i,
+                index=rank if params.best_of > params.n else seqs.index(seq),
                 text=seq.get_output_text_to_return(params.output_text_buffer_length),
                 token_ids=list(seq.get_output_token_ids()),
-                cumulative_logprob=seq.get_cumulative_logprob(),
-                logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                cumulative_logprob=seq.get_cumulative_logprob() if with_logprobs else None,
+                logprobs=list(seq.output_logprobs) if with_logprobs else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             )
-            for i, seq in enumerate(seqs)
+            for rank, seq in enumerate(top)
         ]
         return cls(
             request_id=seq_group.request_id,
