@@ -46,28 +46,15 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "else none)",
     )
     # Cross-origin requests from browser pages (vLLM's flags and defaults: all allowed).
-    server.add_argument(
-        "--allowed-origins",
-        type=json_string_list,
-        default=["*"],
-        help='origins allowed, a JSON list (default: \'["*"]\')',
-    )
+    for flag, what in (("--allowed-origins", "origins whose pages may call the server"),
+                       ("--allowed-methods", "HTTP methods those pages may use"),
+                       ("--allowed-headers", "request headers those pages may send")):
+        server.add_argument(flag, type=json_string_list, default=["*"],
+                            help=f'{what}, a JSON list (default: \'["*"]\': all)')
     server.add_argument(
         "--allow-credentials",
         action="store_true",
         help="allow cookies and HTTP authentication across origins",
-    )
-    server.add_argument(
-        "--allowed-methods",
-        type=json_string_list,
-        default=["*"],
-        help='HTTP methods allowed across origins, a JSON list (default: \'["*"]\')',
-    )
-    server.add_argument(
-        "--allowed-headers",
-        type=json_string_list,
-        default=["*"],
-        help='request headers allowed across origins, a JSON list (default: \'["*"]\')',
     )
     server.add_argument(
         "--chat-template",
