@@ -146,3 +146,23 @@ def test_the_first_output_token_is_decoded_after_the_prompt(sentencepiece_tokeni
     assert seq.output_text == v1.output_text == added
     # The first token's logprob entry is named the same way.
     assert seq.output_logprobs[0][out[0]].decoded_token == " there"
+
+
+def test_spaces_between_special_tokens_reaches_the_tokenizers_decode(tokenizer):
+    """vLLM's flag: a slow tokenizer puts spaces between special tokens
+    unless told not to. A tokenizer with its own `decode` is called with it
+    (a stock fast one decodes the same either way, and takes the shortcut)."""
+    calls = []
+
+    class Recording(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            calls.append(kwargs["spaces_between_special_tokens"])
+            return super().decode(token_ids, **kwargs)
+
+    recording = Recording.from_pretrained(tokenizer.name_or_path)
+    detokenizer = Detokenizer(recording)
+    assert detokenizer._backend is None
+    for flag in (False, True):
+        params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=flag)
+        assert detokenizer._decode([0, 1, 2], params) == tokenizer.decode([0, 1, 2])  # '<s></s>!'
+        assert calls[-1] is flag

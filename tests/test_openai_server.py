@@ -446,6 +446,14 @@ def test_completion_chunks_carry_a_null_usage_chat_chunks_none(server):
     assert chunks and all("usage" not in c for c in chunks)
 
 
+def test_vllms_spaces_between_special_tokens_is_accepted(client):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    flagged = client.completions.create(
+        **kwargs, extra_body={"spaces_between_special_tokens": False}).choices[0].text
+    assert flagged == plain  # a fast tokenizer decodes the same either way
+
+
 def test_text_parts_of_a_message_are_joined_one_per_line(server):
     """vLLM joins a message's text parts with newlines: the prompt is the
     one a single string with the newline gives."""

@@ -92,6 +92,7 @@ SAMPLING_FIELDS = {
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
     "logprobs": st.one_of(st.none(), st.integers(0, 20)),
     "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20)),
     "stop": st.one_of(st.none(), st.sampled_from(["a", "the", ["x", "e"], ("o",)])),

@@ -68,6 +68,9 @@ class SamplingParams:
         this many most likely tokens (the sampled one is always included).
     prompt_logprobs: the same for every prompt token after the first.
     skip_special_tokens: leave special tokens out of the output text.
+    spaces_between_special_tokens: put a space between special tokens in
+        the text, as a slow tokenizer does by default (fast tokenizers, the
+        shipped model's included, decode the same either way).
     """
 
     n: int = 1
@@ -89,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
     # Every token id that ends this request: stop_token_ids, plus the EOS ids
     # that the engine adds when it accepts the request
     # (`update_from_generation_config`). The sampler masks them while fewer
@@ -212,7 +216,8 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = check_seed(self.seed, allowed_prefix="None or ")
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "spaces_between_special_tokens"):
             check_bool(name, getattr(self, name))
         if self.sampling_type == SamplingType.GREEDY and self.best_of > 1:
             raise ValueError(

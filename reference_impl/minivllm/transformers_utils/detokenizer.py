@@ -66,6 +66,7 @@ class Detokenizer:
         return self.tokenizer.decode(
             token_ids,
             skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
 

@@ -110,6 +110,7 @@ class SamplingRequest(OpenAIBaseModel):
     ignore_eos: bool | None = False
     min_tokens: int | None = 0
     skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -124,7 +125,7 @@ class SamplingRequest(OpenAIBaseModel):
         names = (
             "n best_of temperature top_p top_k min_p presence_penalty frequency_penalty "
             "repetition_penalty seed stop stop_token_ids include_stop_str_in_output "
-            "ignore_eos min_tokens skip_special_tokens"
+            "ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens"
         ).split()
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
