@@ -6,7 +6,7 @@ the engine, whether it shuts down, fails to start, or loses a worker."""
 
 from __future__ import annotations
 
-import errno
+import json
 import os
 import signal
 import subprocess
@@ -272,43 +272,58 @@ def test_no_worker_outlives_its_engine_process(how, tiny_model_dir, tmp_path):
     assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in pids))
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray cluster of 2 CPUs. `ray.init` forks its servers from this
-    worker, a process of several GB; under the kernel's heuristic overcommit
-    that fork failed twice in about ten CI runs (ENOMEM) while the other
-    pytest worker peaked. It is a passing lack of memory, not a fault of the
-    code under test, so the start is tried up to three times."""
-    ray = pytest.importorskip("ray")
-    for attempt in range(3):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-            break
-        except OSError as exc:
-            ray.shutdown()  # whatever half-started
-            if exc.errno != errno.ENOMEM or attempt == 2:
-                raise
-            time.sleep(5)
-    yield ray
-    ray.shutdown()
-
-
-def test_the_ray_executor_gives_the_same_tokens(local_ray, tiny_model_dir):
-    """Rank 1 as a Ray actor on a local Ray instance (2 CPUs: one bundle per rank)."""
+_RAY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import ray
+    from minivllm import LLM, SamplingParams
     from minivllm.executor.ray_executor import RayExecutor
 
+    if __name__ == "__main__":
+        prompts = json.loads(sys.argv[2])
+        params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
+
+        def tokens(llm, prompts):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray",
+                  disable_log_stats=True)
+        executor = llm.llm_engine.model_executor
+        try:
+            result = {"executor": type(executor).__name__, "all": tokens(llm, prompts),
+                      # the loop restarts after an idle engine
+                      "again": tokens(llm, prompts[:2])}
+        finally:
+            executor.shutdown()
+        result["placement_groups"] = [
+            pg["state"] for pg in ray.util.placement_group_table().values()]
+        ray.shutdown()
+        print("result", json.dumps(result), flush=True)
+""")
+
+
+def test_the_ray_executor_gives_the_same_tokens(tiny_model_dir, tmp_path):
+    """Rank 1 as a Ray actor on a local Ray instance (2 CPUs: one bundle per
+    rank), against one worker in this process. Ray runs in a small process
+    of its own: `ray.init` forks its servers from the process that calls it,
+    and from a pytest worker of several GB that fork failed under the
+    kernel's heuristic overcommit (ENOMEM) in some CI runs, retries or not."""
+    pytest.importorskip("ray")
     path = tiny_model_dir("opt")
-    prompts = make_prompts(300, seed=3)[:4]
-    want = _tokens(LLM(path, disable_log_stats=True), prompts)
-    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray",
-              disable_log_stats=True)
-    executor = llm.llm_engine.model_executor
-    try:
-        assert type(executor) is RayExecutor
-        assert _tokens(llm, prompts) == want
-        assert _tokens(llm, prompts[:2]) == want[:2]  # the loop restarts after an idle engine
-    finally:
-        executor.shutdown()
-    assert local_ray.util.placement_group_table() and all(
-        pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values()
+    prompts = [list(p) for p in make_prompts(300, seed=3)[:4]]
+    want = [[list(t) for t in o] for o in _tokens(LLM(path, disable_log_stats=True), prompts)]
+    script = tmp_path / "ray_run.py"
+    script.write_text(_RAY_SCRIPT)
+    max_tokens = GREEDY.max_tokens
+    result = subprocess.run(
+        [sys.executable, str(script), path, json.dumps(prompts), str(max_tokens)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.split("result", 1)[1])
+    assert got["executor"] == "RayExecutor"
+    assert got["all"] == want and got["again"] == want[:2]
+    assert got["placement_groups"] and set(got["placement_groups"]) == {"REMOVED"}
