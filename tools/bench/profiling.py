@@ -24,7 +24,7 @@ process, and this one afterwards, run exactly as before.
 Used by Day 12's checker (tools/labs/checks/day12.py) and by the roofline
 benchmark (tools/bench/roofline.py); `wrap_method`, the patching underneath,
 also by the step-split benchmark (tools/bench/step_split.py); `attention_impls`
-by the roofline's timers around decode attention.
+and `timed_into` by both benchmarks' timers.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -83,6 +84,25 @@ def attention_impls(llm: LLM) -> list[Any]:
     layer order."""
     impls = (getattr(m, "impl", None) for m in llm.llm_engine.worker.model_runner.model.modules())
     return [impl for impl in impls if hasattr(impl, "forward_decode")]
+
+
+@contextlib.contextmanager
+def timed_into(
+    totals: dict[str, float], key: str, sync: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """Add the wall time of the block to `totals[key]`; with `sync` (a GPU
+    synchronize), called before and after, inside the timing. `wrap_method`
+    puts it around a method's calls (step_split's parts, roofline's decode
+    attention)."""
+    start = time.perf_counter()
+    if sync:
+        sync()
+    try:
+        yield
+    finally:
+        if sync:
+            sync()
+        totals[key] += time.perf_counter() - start
 
 
 @contextlib.contextmanager

@@ -106,6 +106,7 @@ from tools.bench.profiling import (
     in_model_matmul,
     innermost_label,
     profile_steps,
+    timed_into,
     wrap_method,
 )
 from tools.bench.throughput import engine_run
@@ -346,35 +347,23 @@ def recording_shapes(llm: LLM) -> Iterator[list[StepShape]]:
             del runner.prepare_model_input
 
 
-@dataclass
-class DecodeAttentionTimer:
-    """The time spent in the backend's decode half, and its calls (one per
-    layer in each step with decodes)."""
-
-    seconds: float = 0.0
-    calls: int = 0
-
-    @contextlib.contextmanager
-    def timing(self) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
-
-
 @contextlib.contextmanager
-def timing_decode_attention(llm: LLM) -> Iterator[DecodeAttentionTimer]:
-    """Time every call of each layer's `forward_decode` in this engine (its
-    own objects only, for as long as the block runs). A timer costs about a
-    microsecond a call, against the tens to thousands a call takes."""
-    timer = DecodeAttentionTimer()
+def timing_decode_attention(llm: LLM) -> Iterator[dict[str, float]]:
+    """{"seconds", "calls"} of every call of each layer's `forward_decode`
+    in this engine while the block runs (its own objects only; one call per
+    layer in each step with decodes). A timer costs about a microsecond a
+    call, against the tens to thousands a call takes."""
+    totals = {"seconds": 0.0, "calls": 0}
+
+    def timed_call() -> contextlib.AbstractContextManager:
+        totals["calls"] += 1
+        return timed_into(totals, "seconds")
+
     undo: list = []
     for impl in attention_impls(llm):
-        wrap_method(impl, "forward_decode", timer.timing, undo)
+        wrap_method(impl, "forward_decode", timed_call, undo)
     try:
-        yield timer
+        yield totals
     finally:
         for restore in reversed(undo):
             restore()
@@ -399,8 +388,8 @@ def timed_step(llm: LLM, run: StepsRun) -> None:
         llm.llm_engine.step()
         run.seconds.append(time.perf_counter() - start)
     run.shapes += shapes
-    run.decode_attention_seconds.append(attention.seconds)
-    run.decode_attention_calls += attention.calls
+    run.decode_attention_seconds.append(attention["seconds"])
+    run.decode_attention_calls += attention["calls"]
 
 
 def profiled_step(llm: LLM, run: StepsRun) -> None:
@@ -549,7 +538,8 @@ def run_workload(model_dir: str, plan: Plan, attention_backend: str | None) -> S
     with recording_shapes(llm) as shapes, timing_decode_attention(llm) as attention:
         timed = engine_run(llm, requests, "workload", batch, kv_tokens)
     run.seconds, run.shapes = timed.seconds, shapes
-    run.decode_attention_seconds, run.decode_attention_calls = [attention.seconds], attention.calls
+    run.decode_attention_seconds = [attention["seconds"]]
+    run.decode_attention_calls = attention["calls"]
     if timed.num_preemptions:
         raise RuntimeError(f"the workload preempted {timed.num_preemptions} times")
     for i, r in enumerate(requests):

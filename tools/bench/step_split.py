@@ -34,31 +34,15 @@ import argparse
 import contextlib
 import functools
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 
 from minivllm import LLM, SamplingParams
 from tools.bench.common import add_model_args, make_bench_model, print_table, set_threads
-from tools.bench.profiling import wrap_method
+from tools.bench.profiling import timed_into, wrap_method
 
 PARTS = ("schedule", "prepare_inputs", "model", "sampler", "process", "other")
-
-
-@contextlib.contextmanager
-def _timed(seconds: dict[str, float], part: str, sync: Callable[[], None] | None = None):
-    """Add the wall time of the block to `seconds[part]`; with `sync`, called
-    before and after, inside the timing."""
-    start = time.perf_counter()
-    if sync:
-        sync()
-    try:
-        yield
-    finally:
-        if sync:
-            sync()
-        seconds[part] += time.perf_counter() - start
 
 
 @contextlib.contextmanager
@@ -74,7 +58,7 @@ def timed_parts(llm: LLM, sync: bool = False) -> Iterator[dict[str, float]]:
     def time_calls(
         obj: object, attr: str, part: str, synced: Callable[[], None] | None = None
     ) -> None:
-        wrap_method(obj, attr, functools.partial(_timed, seconds, part, synced), undo)
+        wrap_method(obj, attr, functools.partial(timed_into, seconds, part, synced), undo)
 
     time_calls(engine, "step", "step")
     time_calls(engine.scheduler, "schedule", "schedule")
