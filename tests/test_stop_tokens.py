@@ -16,6 +16,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.assets import DEFAULT_MODEL
+from minivllm.v1.engine.llm_engine import LLMEngine as V1LLMEngine
 
 PROMPT = "Once upon a time"
 
@@ -121,7 +122,7 @@ def test_a_stop_string_within_min_tokens(llm, free_run):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=k,
                             stop=[stop])
     out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
-    if llm.llm_engine.__class__.__module__.startswith("minivllm.v1"):
+    if isinstance(llm.llm_engine, V1LLMEngine):
         assert full.count(stop) == 1
         assert (out.token_ids, out.finish_reason, out.text) == (free_run, "length", full)
     else:

@@ -17,11 +17,11 @@ Until the first output tokens are in output_text, the context is the
 prompt's last 5 tokens instead, as vLLM's (so a SentencePiece word start
 keeps its space); unless they do not decode to whole characters, when
 there is none. When the new text ends in an incomplete character, nothing
-is added and the window waits for the next token. The result equals decoding all output
-tokens at once (without `clean_up_tokenization_spaces`, as vLLM does),
-except at the very end: a character still incomplete when the sequence
-finishes is never added (the full decode would show it as U+FFFD), and
-neither is the text of a stop token or EOS that ended it
+is added and the window waits for the next token. The result equals
+decoding all output tokens at once (without `clean_up_tokenization_spaces`,
+as vLLM does), except at the very end: a character still incomplete when
+the sequence finishes is never added (the full decode would show it as
+U+FFFD), and neither is the text of a stop token or EOS that ended it
 (engine/stop_checker.py), as in vLLM.
 """
 

@@ -153,7 +153,8 @@ class Request:
     def __lt__(self, other: Request) -> bool:
         """The priority queue's order, as in vLLM: lower `priority` first,
         then earlier arrival, then `request_id` (string order: "10" < "9"),
-        then, for two requests with the same id, creation."""
+        then, for two objects with the same id, their `id()`: an arbitrary
+        but fixed order, so two distinct requests never compare equal."""
         if self.priority != other.priority:
             return self.priority < other.priority
         if self.arrival_time != other.arrival_time:
