@@ -6,6 +6,8 @@ model's own log-softmax, and seeded sampling that ignores the batch."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import shutil
 
 import pytest
 import torch
@@ -285,6 +287,31 @@ def test_logprobs_are_hf_log_softmax(llm, hf_model, params):
     assert out.cumulative_logprob == pytest.approx(expected, abs=1e-3)
     if params.temperature:  # the test covers sampled tokens that are not the argmax
         assert any(entry[t].rank > 1 for entry, t in zip(out.logprobs, tokens, strict=True))
+
+
+@pytest.mark.parametrize("use_v1", [False, True])
+def test_a_token_tied_with_others_ranks_as_its_vllm_ranks_it(
+    tiny_model_dir, hf_model, tmp_path, use_v1
+):
+    """With the LM head zeroed, every logit is 0: every token ties with all
+    the others. Greedy takes token 0 (the first maximum). v0.6 ranks it 1 (no
+    token is strictly more likely); V1 counts every token at least as likely,
+    itself included, so it ranks last, at the vocabulary's size."""
+    hf = hf_model("llama")
+    zeroed = type(hf)(hf.config)
+    zeroed.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        zeroed.lm_head.weight.zero_()
+    path = shutil.copytree(tiny_model_dir("llama"), tmp_path / "zeroed")  # its tokenizer
+    zeroed.save_pretrained(path)
+    llm = LLM(str(path), use_v1=use_v1, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    vocab_size = hf.config.vocab_size
+    assert out.token_ids == [0, 0]
+    for entry in out.logprobs:
+        assert entry[0].logprob == pytest.approx(-math.log(vocab_size))
+        assert entry[0].rank == (vocab_size if use_v1 else 1)
 
 
 def test_no_logprobs_unless_asked(llm):

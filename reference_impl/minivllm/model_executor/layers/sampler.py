@@ -153,13 +153,22 @@ def get_position_logprobs(
     logprobs: torch.Tensor,  # [num_rows, vocab_size]
     token_ids: list[int],  # per row: the token that came next
     num_top: list[int],  # per row: how many most likely tokens to add
+    rank_after_ties: bool = False,
 ) -> list[PositionLogprobs]:
     """Per row: the given token's logprob and rank, plus the `num_top` most
-    likely tokens, ranked 1, 2, ... in order."""
+    likely tokens, ranked 1, 2, ... in order.
+
+    The two engines rank a token tied with others differently, as their vLLMs
+    do: v0.6's sampler ranks it 1 + the tokens strictly more likely (ahead of
+    its ties); V1 (`rank_after_ties`) counts every token at least as likely,
+    itself included (`batched_count_greater_than`), so it ranks after them.
+    """
     chosen = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
     chosen_logprobs = logprobs.gather(-1, chosen.unsqueeze(-1))  # [num_rows, 1]
-    # Rank: 1 + how many tokens are strictly more likely.
-    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [num_rows]
+    if rank_after_ties:
+        ranks = (logprobs >= chosen_logprobs).sum(dim=-1)  # [num_rows]
+    else:
+        ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [num_rows]
     top_logprobs, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)  # [num_rows, k]
     chosen_logprobs, ranks = chosen_logprobs.squeeze(-1).tolist(), ranks.tolist()
     top_logprobs, top_ids = top_logprobs.tolist(), top_ids.tolist()

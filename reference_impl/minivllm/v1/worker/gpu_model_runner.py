@@ -306,6 +306,7 @@ class GPUModelRunner:
             raw,
             [tokens[i] for i in wanted],
             [states[sample_rows[i]].sampling_params.logprobs for i in wanted],
+            rank_after_ties=True,
         )
         for i, entry in zip(wanted, entries, strict=True):
             logprobs[sample_rows[i]] = entry
