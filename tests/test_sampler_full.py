@@ -290,13 +290,15 @@ def test_logprobs_are_hf_log_softmax(llm, hf_model, params):
 
 
 @pytest.mark.parametrize("use_v1", [False, True])
-def test_a_token_tied_with_others_ranks_as_its_vllm_ranks_it(
+def test_a_token_tied_with_others_ranks_and_is_named_as_its_vllm_does(
     tiny_model_dir, hf_model, tmp_path, use_v1
 ):
     """With the LM head zeroed, every logit is 0: every token ties with all
-    the others. Greedy takes token 0 (the first maximum). v0.6 ranks it 1 (no
-    token is strictly more likely); V1 counts every token at least as likely,
-    itself included, so it ranks last, at the vocabulary's size."""
+    the others. Greedy takes token 0 (the first maximum), the tokenizer's
+    special `<s>`. v0.6 ranks it 1 (no token is strictly more likely); V1
+    counts every token at least as likely, itself included, so it ranks last,
+    at the vocabulary's size. And with skip_special_tokens (the default) v0.6
+    names it '', V1 by its text."""
     hf = hf_model("llama")
     zeroed = type(hf)(hf.config)
     zeroed.load_state_dict(hf.state_dict())
@@ -308,10 +310,12 @@ def test_a_token_tied_with_others_ranks_as_its_vllm_ranks_it(
     params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
     out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
     vocab_size = hf.config.vocab_size
-    assert out.token_ids == [0, 0]
+    special = llm.get_tokenizer().convert_ids_to_tokens(0)
+    assert out.token_ids == [0, 0] and special == "<s>" and out.text == ""
     for entry in out.logprobs:
         assert entry[0].logprob == pytest.approx(-math.log(vocab_size))
         assert entry[0].rank == (vocab_size if use_v1 else 1)
+        assert entry[0].decoded_token == (special if use_v1 else "")
 
 
 def test_no_logprobs_unless_asked(llm):

@@ -60,22 +60,34 @@ class Detokenizer:
         )
         self._backend = tokenizer.backend_tokenizer if stock else None
 
-    def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
+    def _decode(
+        self, token_ids: list[int], params: SamplingParams, skip_special_tokens: bool | None = None
+    ) -> str:
+        """`skip_special_tokens`: None for the request's own setting."""
+        if skip_special_tokens is None:
+            skip_special_tokens = params.skip_special_tokens
         if self._backend is not None:
-            return self._backend.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+            return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(
             token_ids,
-            skip_special_tokens=params.skip_special_tokens,
+            skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
 
-    def decode_sequence_inplace(self, seq: Sequence, params: SamplingParams) -> int:
+    def decode_sequence_inplace(
+        self, seq: Sequence, params: SamplingParams, name_special_candidates: bool = False
+    ) -> int:
         """Append the text of the sequence's newest token to its output_text
         (and name the candidates of its logprobs, if asked).
 
         Returns how many characters were added: the stop checker searches
         only those for stop strings.
+
+        A special token among the candidates is named as the request's text
+        would show it (v0.6: '' with skip_special_tokens), or always by its
+        text with `name_special_candidates` (V1, which decodes each candidate
+        with the tokenizer's default, `convert_ids_list_to_tokens`).
         """
         if params.logprobs is not None:
             output_ids = seq.get_output_token_ids()
@@ -84,7 +96,8 @@ class Detokenizer:
                 context = (seq.prompt_token_ids[-_LOGPROB_CONTEXT_TOKENS:] + context)[
                     -_LOGPROB_CONTEXT_TOKENS:
                 ]
-            self._decode_candidates(seq.output_logprobs[-1], context, params)
+            skip = False if name_special_candidates else None
+            self._decode_candidates(seq.output_logprobs[-1], context, params, skip)
         return self._append_new_text(seq, params)
 
     def _prompt_context(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
@@ -119,14 +132,18 @@ class Detokenizer:
             )
 
     def _decode_candidates(
-        self, logprobs: PositionLogprobs, context: list[int], params: SamplingParams
+        self,
+        logprobs: PositionLogprobs,
+        context: list[int],
+        params: SamplingParams,
+        skip_special_tokens: bool | None = None,
     ) -> None:
         """Set each candidate's decoded_token: the text it adds after `context`.
 
         The text is what differs from the context's own decode, so a token
         that completes a multi-byte character shows the whole character.
         """
-        before = self._decode(context, params)
+        before = self._decode(context, params, skip_special_tokens)
         for token_id, logprob in logprobs.items():
-            after = self._decode(context + [token_id], params)
+            after = self._decode(context + [token_id], params, skip_special_tokens)
             logprob.decoded_token = after[len(os.path.commonprefix([before, after])) :]

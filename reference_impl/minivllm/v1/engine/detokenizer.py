@@ -3,7 +3,9 @@ strings (vLLM's `vllm/v1/engine/detokenizer.py`).
 
 In V1 the engine core knows only token ids; text is made here, in the
 front end. The decoding is the classic engine's (transformers_utils/
-detokenizer.py, which this object feeds as if it were a sequence); what is
+detokenizer.py, which this object feeds as if it were a sequence), but for
+a special token among the logprob candidates, which V1 names by its text
+even with skip_special_tokens (v0.6 named it ''); what is
 V1's is where stop strings are found (here, after which the front end
 aborts the request in the core), which one wins when several are found
 (`check_stop_strings`), and the hold-back: while a request runs, its last
@@ -55,7 +57,9 @@ class IncrementalDetokenizer:
             self.output_token_ids.append(token_id)
             if new_logprobs is not None:
                 self.output_logprobs.append(new_logprobs[i])
-            new_char_count = self.detokenizer.decode_sequence_inplace(self, params)
+            new_char_count = self.detokenizer.decode_sequence_inplace(
+                self, params, name_special_candidates=True
+            )
             last = i == len(new_token_ids) - 1
             if last and stop_terminated and not params.include_stop_str_in_output:
                 self.output_text = self.output_text[: len(self.output_text) - new_char_count]
