@@ -83,6 +83,11 @@ def test_models_version_health(server, client):
     assert r.headers["access-control-allow-origin"] == "*"
     assert models[0].root.endswith("minivllm-stories")
     assert models[0].max_model_len == 512
+    # vLLM's card lists one permission: sampling and logprobs allowed, fine-tuning not.
+    [permission] = models[0].permission
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] and permission["allow_logprobs"]
+    assert not permission["allow_fine_tuning"]
     assert httpx.get(server.url_for("version")).json()["version"]
     assert httpx.get(server.url_for("health")).status_code == 200
 

@@ -53,6 +53,25 @@ class ErrorResponse(OpenAIBaseModel):
 # -- models -------------------------------------------------------------------
 
 
+class ModelPermission(OpenAIBaseModel):
+    """What a client may do with the model: the fields of OpenAI's old
+    model object, which vLLM still sends (sampling and logprobs allowed,
+    fine-tuning and the rest not)."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{random_uuid()}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIBaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -61,6 +80,7 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(OpenAIBaseModel):
