@@ -96,7 +96,8 @@ def test_exercise_1_passes(answer, capsys):
 
 def _queue_class(*, head_append=False, stack_pop=False, remove_no_count=False,
                  append_no_count=False, no_unlink=False, popleft_n_short=False,
-                 no_check=False, walk_reversed=False, append_n_reversed=False):
+                 no_check=False, walk_reversed=False, append_n_reversed=False,
+                 prepend_n_reversed=False, prepend_n_at_tail=False):
     class Queue:
         def __init__(self, blocks):
             self.num_free_blocks = len(blocks)
@@ -140,6 +141,16 @@ def _queue_class(*, head_append=False, stack_pop=False, remove_no_count=False,
         def append_n(self, blocks):
             for block in (list(blocks)[::-1] if append_n_reversed else blocks):
                 self.append(block)
+
+        def prepend_n(self, blocks):
+            if prepend_n_at_tail:
+                self.append_n(blocks)
+                return
+            for block in (blocks if prepend_n_reversed else list(blocks)[::-1]):
+                first = self.head.next_free_block
+                self.head.next_free_block, block.prev_free_block = block, self.head
+                block.next_free_block, first.prev_free_block = first, block
+                self.num_free_blocks += 1
 
         def get_all_free_blocks(self):
             out = []
@@ -186,6 +197,9 @@ class _DictQueue:
     def append_n(self, blocks):
         self._blocks.update((b.block_id, b) for b in blocks)
 
+    def prepend_n(self, blocks):
+        self._blocks = {**{b.block_id: b for b in blocks}, **self._blocks}
+
     def get_all_free_blocks(self):
         return list(self._blocks.values())
 
@@ -200,6 +214,8 @@ class _DictQueue:
     ("no_check", "should raise ValueError"),
     ("walk_reversed", "yours lists it tail first"),
     ("append_n_reversed", "append_n appends the blocks in the order given"),
+    ("prepend_n_reversed", "prepend_n puts the blocks at the HEAD, in the order given"),
+    ("prepend_n_at_tail", "prepend_n puts the blocks at the HEAD, in the order given"),
 ])
 def test_exercise_2_rejects(mistake, message):
     with pytest.raises(AssertionError, match=_re(message)):
@@ -218,7 +234,8 @@ def test_exercise_2_passes(answer, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     ({"tail_first": False}, "LAST block first"),
-    ({"freed_to_tail": False}, "freed blocks join the TAIL"),
+    ({"freed_to_tail": False}, "freed blocks that are cached join the TAIL"),
+    ({"uncached_to_head": False}, "goes to the HEAD of the queue, not the tail"),
     ({"null_in_queue": True}, "block 0 is the null block"),
     ({"cap": False}, "at most num_tokens - 1 tokens come from the cache"),
     ({"evict": False}, "is evicted: its hash is forgotten"),
@@ -237,11 +254,11 @@ def test_exercise_3_rejects_hits_in_blocks():
 
 def test_exercise_3_says_what_differs_on_a_guess():
     with pytest.raises(AssertionError, match=r"the free queue after C should be (.|\n)*walk it"):
-        day16.exercise_3(list(range(1, 10)), {"D": 4, "E": 4, "F": 16})
+        day16.exercise_3(list(range(9, 0, -1)), {"D": 4, "E": 4, "F": 16})
 
 
 def test_exercise_3_passes(capsys):
-    day16.exercise_3([2, 1, 5, 4, 3, 9, 8, 7, 6], {"D": 4, "E": 4, "F": 16})
+    day16.exercise_3([2, 1, 4, 3, 9, 8, 7, 6, 5], {"D": 4, "E": 4, "F": 16})
     assert capsys.readouterr().out == "Day 16, exercise 3: passed\n"
 
 

@@ -212,12 +212,18 @@ def test_prefix_hit_and_the_free_queue_order(prefix_run):
                 popped.update(x for x in gained if x not in hit_blocks)
             head = [x for x in prev["free_queue"]["block_ids"] if x not in hit_blocks]
             assert popped == set(head[: len(popped)])
-            # Finished requests' blocks join the tail, last block first.
+            # Finished requests' blocks join the queue last block first: the
+            # cached ones at the tail, the others (a partial last block) at the head.
+            cached_now = set(step["free_queue"]["cached"])
             for done in step["finished"]:
                 rid = done["request_id"]
                 still_held = {x for t in step["block_tables"].values() for x in t}
                 freed = [x for x in reversed(prev["block_tables"][rid]) if x not in still_held]
-                assert queue[len(queue) - len(freed) :] == freed or len(step["finished"]) > 1
+                to_tail = [x for x in freed if x in cached_now]
+                to_head = [x for x in freed if x not in cached_now]
+                assert (
+                    queue[len(queue) - len(to_tail) :] == to_tail and queue[: len(to_head)] == to_head
+                ) or len(step["finished"]) > 1
         prev = step
     # At the end every block is free; the full ones still hold their hash.
     last = trace.steps[-1]
@@ -225,6 +231,8 @@ def test_prefix_hit_and_the_free_queue_order(prefix_run):
     cached = last["free_queue"]["cached"]
     assert set(s2["block_tables"]["A"][:2]) <= set(cached)
     assert cached == [x for x in last["free_queue"]["block_ids"] if x in set(cached)]
+    # ... and they are all behind the uncached ones, which are reused first.
+    assert last["free_queue"]["block_ids"][-len(cached) :] == cached
 
 
 def test_preemption_is_recompute_from_what_the_cache_holds(preempt_run):

@@ -73,6 +73,22 @@ def test_the_free_queue_pops_from_the_head_appends_at_the_tail_and_unlinks_the_m
         queue.popleft()
 
 
+def test_prepend_n_puts_blocks_at_the_head_in_the_order_given():
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    queue = FreeKVCacheBlockQueue(blocks[:3])
+    queue.prepend_n([blocks[4], blocks[3]])
+    assert _ids(queue.get_all_free_blocks()) == [4, 3, 0, 1, 2]
+    queue.prepend_n([])
+    queue.append(blocks[5])
+    assert _ids(queue.get_all_free_blocks()) == [4, 3, 0, 1, 2, 5]
+    assert queue.num_free_blocks == 6
+    queue.remove(blocks[4])  # the links hold both ways
+    assert _ids(queue.popleft_n(2)) == [3, 0]
+    emptied = FreeKVCacheBlockQueue([])
+    emptied.prepend_n([blocks[4]])
+    assert _ids(emptied.get_all_free_blocks()) == [4] and emptied.popleft() is blocks[4]
+
+
 # -- the block pool -------------------------------------------------------
 
 def test_block_0_is_the_null_block_and_never_free():
@@ -84,18 +100,44 @@ def test_block_0_is_the_null_block_and_never_free():
         BlockPool(1)
 
 
-def test_new_blocks_come_from_the_head_and_freed_ones_go_to_the_tail_in_order():
-    """A request's blocks freed tail first (as KVCacheManager frees them)
-    are evicted tail first: the end of a prompt before its shared beginning."""
+def test_new_blocks_come_from_the_head_and_uncached_freed_ones_go_back_to_it():
+    """Blocks that hold no cached block (here none is cached, as with
+    caching off) are freed to the head, in the order given: the next request
+    reuses them first, the last block first."""
     pool = BlockPool(6)
     a = pool.get_new_blocks(3)
     assert _ids(a) == [1, 2, 3] and all(b.ref_cnt == 1 for b in a)
     assert pool.get_usage() == pytest.approx(3 / 5)
     pool.free_blocks(reversed(a))
-    assert _ids(pool.free_block_queue.get_all_free_blocks()) == [4, 5, 3, 2, 1]
-    assert _ids(pool.get_new_blocks(3)) == [4, 5, 3]
+    assert _ids(pool.free_block_queue.get_all_free_blocks()) == [3, 2, 1, 4, 5]
+    assert _ids(pool.get_new_blocks(3)) == [3, 2, 1]
     with pytest.raises(ValueError, match="asked for 3 blocks, 2 are free"):
         pool.get_new_blocks(3)
+
+
+def test_cached_freed_blocks_go_to_the_tail_and_a_partial_block_to_the_head():
+    """vLLM's prefill scenario (tests/v1/core/test_prefix_caching.py), blocks
+    of 4: A holds 3 full cached blocks and a partial one; B shares A's 3 and
+    has its own partial block. Freed (last block first), the partial blocks
+    go to the head, the cached ones to the tail once nobody holds them."""
+    pool = BlockPool(11)
+    a_tokens = list(range(14))
+    a = FakeRequest(hash_request_tokens(4, a_tokens))
+    a_blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=3)
+    b = FakeRequest(hash_request_tokens(4, a_tokens[:12] + [90, 91]))
+    hits = [pool.get_cached_block(h) for h in b.block_hashes]
+    assert hits == a_blocks[:3]
+    pool.touch(hits)
+    b_blocks = hits + pool.get_new_blocks(1)
+    assert _ids(b_blocks) == [1, 2, 3, 5]
+    pool.free_blocks(reversed(a_blocks))  # 4 to the head; 3, 2, 1 still held by B
+    assert _ids(pool.free_block_queue.get_all_free_blocks()) == [4, 6, 7, 8, 9, 10]
+    pool.free_blocks(reversed(b_blocks))  # 5 to the head; 3, 2, 1 to the tail
+    assert _ids(pool.free_block_queue.get_all_free_blocks()) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    # A new request takes the partial blocks first: every cached block survives.
+    assert _ids(pool.get_new_blocks(2)) == [5, 4]
+    assert all(pool.get_cached_block(h) is not None for h in a.block_hashes)
 
 
 def test_a_prefix_hit_touches_a_free_cached_block_out_of_the_queue():
@@ -193,8 +235,8 @@ def test_the_prefix_cache_resets_only_when_no_block_is_in_use():
 def test_random_operations_keep_the_pool_consistent(seed):
     """Random requests take new blocks, hit cached ones and free them tail
     first: no block leaks, reference counts match the holders, a block is in
-    the free queue exactly when nobody holds it, and every cached hash finds
-    a block carrying it."""
+    the free queue exactly when nobody holds it, every cached hash finds a
+    block carrying it, and the queue holds its uncached blocks first."""
     rng = random.Random(seed)
     pool = BlockPool(12)
     held: list[list] = []  # each live request's blocks
@@ -203,8 +245,8 @@ def test_random_operations_keep_the_pool_consistent(seed):
             blocks = held.pop(rng.randrange(len(held)))
             pool.free_blocks(reversed(blocks))
         else:
-            tokens = [rng.randrange(3) for _ in range(2 * rng.randint(1, 3))]
-            req = FakeRequest(hash_request_tokens(2, tokens))
+            tokens = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+            req = FakeRequest(hash_request_tokens(2, tokens))  # full blocks only
             hits = []
             for h in req.block_hashes:
                 block = pool.get_cached_block(h)
@@ -212,9 +254,9 @@ def test_random_operations_keep_the_pool_consistent(seed):
                     break
                 hits.append(block)
             pool.touch(hits)
-            new = pool.get_new_blocks(len(req.block_hashes) - len(hits))
+            new = pool.get_new_blocks(-(-len(tokens) // 2) - len(hits))
             blocks = hits + new
-            pool.cache_full_blocks(req, blocks, len(hits), len(blocks))
+            pool.cache_full_blocks(req, blocks, len(hits), len(req.block_hashes))
             held.append(blocks)
         holders = {}
         for blocks in held:
@@ -227,3 +269,7 @@ def test_random_operations_keep_the_pool_consistent(seed):
         assert len(free) == pool.get_num_free_blocks() == 11 - len(holders)
         for h, blocks in pool.cached_block_hash_to_block.items():
             assert blocks and all(b.block_hash == h for b in blocks.values())
+        # Uncached blocks join at the head, cached ones at the tail, and
+        # blocks leave from the head: no uncached block ever follows a cached one.
+        cached = [b.block_hash is not None for b in pool.free_block_queue.get_all_free_blocks()]
+        assert cached == sorted(cached)

@@ -246,25 +246,33 @@ def test_without_chunking_a_prompt_longer_than_the_budget_left_waits_and_blocks_
 # -- 3. preemption from the tail ------------------------------------------
 
 
-@pytest.mark.parametrize(("caching", "recomputed"), [(True, 4), (False, 8)])
+@pytest.mark.parametrize(
+    ("caching", "recomputed", "queue_after_a", "b_blocks", "c_blocks"),
+    [(True, 4, [4, 3, 2, 1], [3, 4], [2]), (False, 8, [4, 2, 1, 3], [4, 2], [1])],
+)
 def test_the_tail_of_running_is_preempted_and_comes_back_finding_its_own_blocks(
-    caching, recomputed
+    caching, recomputed, queue_after_a, b_blocks, c_blocks
 ):
-    """5 blocks: 4 usable (1..4).
+    """5 blocks: 4 usable (1..4). Freed blocks join the free queue last
+    block first: cached ones at the tail, uncached ones at the head.
     Step 1: A (8 tokens) takes 2 blocks [1, 2]; B (7 tokens) takes 2 more,
       [3, 4]. Block 3 is full (tokens 0..3 of B): cached; block 4 is not.
       Both sample: A has 9 tokens, B 8 (7 + 1).
     Step 2 (C, 3 tokens, arrived): A's 9th token needs a 3rd block; none is
       free, so the tail of RUNNING, B, is preempted: its blocks are freed
-      last first (queue [4, 3]) and A takes block 4 from the head. B goes to
-      the front of WAITING (before C) with nothing computed. Block 3 and 15
-      tokens of budget are left, enough for C, but a step that preempted
-      admits nobody. A ends (max_tokens = 2): queue [3, 4, 2, 1].
+      last first (4 to the head, then 3: queue [4, 3]) and A takes block 4
+      from the head. B goes to the front of WAITING (before C) with nothing
+      computed. Block 3 and 15 tokens of budget are left, enough for C, but
+      a step that preempted admits nobody. A ends (max_tokens = 2): its
+      partial block 4 goes to the head, its cached 2 and 1 to the tail:
+      queue [4, 3, 2, 1]. With caching off nothing is cached, every freed
+      block goes to the head: [4, 2, 1, 3].
     Step 3: B comes back, resumed. Its 8 tokens allow a hit of 7 // 4 = 1
       block: block 3 still holds its first 4 tokens, so only 8 - 4 = 4 are
-      recomputed (all 8 with prefix caching off), in blocks [3, 4]; the
-      worker is sent all of B's tokens, the one it sampled before included.
-      C takes block 2. B samples again: its recompute is complete."""
+      recomputed, in blocks [3, 4]; the worker is sent all of B's tokens,
+      the one it sampled before included. C takes block 2. With caching off
+      all 8 are recomputed in blocks [4, 2] and C takes block 1. B samples
+      again: its recompute is complete."""
     s = make_scheduler(blocks=5, caching=caching)
     a = make_request("A", toks(100, 8), max_tokens=2)
     b = make_request("B", toks(200, 7), max_tokens=5)
@@ -286,7 +294,7 @@ def test_the_tail_of_running_is_preempted_and_comes_back_finding_its_own_blocks(
     assert [r.request_id for r in s.waiting] == ["B", "C"]
     assert s.running == [a]
     s.update_from_output(out2, worker_output(s, out2))
-    assert a.is_finished() and free_ids(s) == [3, 4, 2, 1]
+    assert a.is_finished() and free_ids(s) == queue_after_a
 
     out3, results = step(s)
     assert out3.num_scheduled_tokens == {"B": recomputed, "C": 3}
@@ -294,8 +302,8 @@ def test_the_tail_of_running_is_preempted_and_comes_back_finding_its_own_blocks(
     assert cached.req_ids == ["B"] and cached.resumed_req_ids == {"B"}
     assert cached.all_token_ids == {"B": toks(200, 7) + [SAMPLED]}
     assert cached.num_computed_tokens == [8 - recomputed]
-    assert cached.new_block_ids == [[3, 4]]  # a resumed request's blocks replace its old ones
-    assert [(d.req_id, d.block_ids) for d in out3.scheduled_new_reqs] == [("C", [2])]
+    assert cached.new_block_ids == [b_blocks]  # a resumed request's blocks replace its old ones
+    assert [(d.req_id, d.block_ids) for d in out3.scheduled_new_reqs] == [("C", c_blocks)]
     assert b.status == RequestStatus.RUNNING and b.num_preemptions == 1
     assert results["B"].new_token_ids == [SAMPLED] and b.output_token_ids == [SAMPLED] * 2
     assert b.num_cached_tokens == 0  # reported once: the first time it was scheduled
@@ -486,9 +494,11 @@ def test_finished_blocks_are_freed_tail_first_and_evicted_least_recently_freed_f
       queue [5, 6] + [2, 1] + [4, 3].
     Step 2: C (15 tokens) needs cdiv(15, 4) = 4 blocks: 5, 6, then 2 and 1,
       evicting all of A's cached blocks (A was freed before B: least
-      recently). C ends: queue [4, 3] + [1, 2, 6, 5].
+      recently). C caches 3 full blocks (5, 6, 2); its last, 1, holds 3
+      tokens. C ends, freeing 1, 2, 6, 5: the uncached 1 to the head, the
+      cached ones to the tail: queue [1] + [4, 3] + [2, 6, 5].
     Step 3: E = B's prompt + 1 token hits B's 2 blocks (3, 4: cap 8 tokens)
-      and takes 1 new block, 1; D = A's prompt + 1 token finds nothing
+      and takes 1 new block from the head, 1; D = A's prompt + 1 token finds nothing
       (A's first block went first: the chain breaks there) and takes 3
       blocks [2, 6, 5]."""
     s = make_scheduler(blocks=7)
@@ -501,7 +511,7 @@ def test_finished_blocks_are_freed_tail_first_and_evicted_least_recently_freed_f
     s.add_request(make_request("C", toks(300, 15), max_tokens=1))
     out, _ = step(s)
     assert new_req_data(out, "C").block_ids == [5, 6, 2, 1]
-    assert free_ids(s) == [4, 3, 1, 2, 6, 5]
+    assert free_ids(s) == [1, 4, 3, 2, 6, 5]
 
     s.add_request(make_request("E", toks(200, 8) + [999], max_tokens=1))
     s.add_request(make_request("D", toks(100, 8) + [999], max_tokens=1))

@@ -481,16 +481,17 @@ _SCRIPT: list[tuple[str, Any]] = [
     ("popleft", None), ("popleft", None),
     ("append", 0), ("remove", 4), ("popleft_n", 3),
     ("append_n", [5, 1, 4]), ("remove", 7), ("append", 7), ("remove", 1),
-    ("popleft_n", 0), ("popleft_n", 2), ("append_n", [2, 3]), ("remove", 2),
-    ("remove", 3), ("popleft_n", 3),
+    ("popleft_n", 0), ("popleft_n", 2), ("prepend_n", [2, 3]), ("prepend_n", []),
+    ("remove", 2), ("append_n", [2, 6]), ("remove", 3), ("popleft_n", 3),
+    ("popleft_n", 2), ("prepend_n", [7, 1]), ("popleft", None),
 ]
 
 
 def _describe_op(op: str, arg: Any) -> str:
     if op in ("append", "remove"):
         return f"{op}(block {arg})"
-    if op == "append_n":
-        return f"append_n(blocks {arg})"
+    if op in ("append_n", "prepend_n"):
+        return f"{op}(blocks {arg})"
     return f"{op}({'' if arg is None else arg})"
 
 
@@ -516,10 +517,16 @@ def _op_hint(op: str, want_ids, got_ids, want_n, got_n, result_want, result_got)
     if got_n != want_n and got_ids == want_ids:
         verb = {"remove": "remove takes one away", "append": "append adds one",
                 "append_n": "append_n adds one per block",
+                "prepend_n": "prepend_n adds one per block",
                 "popleft": "popleft takes one away", "popleft_n": "popleft_n takes n away"}[op]
         return (f"num_free_blocks must follow every change ({verb}): allocate_slots compares "
                 "it with the blocks a step needs, so a wrong count admits requests that do "
                 "not fit, or refuses ones that do.")
+    if op == "prepend_n":
+        return ("prepend_n puts the blocks at the HEAD, in the order given (the first given "
+                "is handed out first): the pool frees a request's uncached blocks there, last "
+                "block first, since no hit can want them. Prepending them one at a time "
+                "reverses them.")
     if op in ("append", "append_n"):
         if got_ids and want_ids and got_ids[0] != want_ids[0]:
             return ("a freed block goes to the TAIL: it was used most recently, so it is "
@@ -551,7 +558,7 @@ def _check_queue_script(cls) -> None:
             args_ref = args_got = ()
             if op in ("append", "remove"):
                 args_ref, args_got = (blocks_ref[arg],), (blocks_got[arg],)
-            elif op == "append_n":
+            elif op in ("append_n", "prepend_n"):
                 args_ref = ([blocks_ref[i] for i in arg],)
                 args_got = ([blocks_got[i] for i in arg],)
             elif op == "popleft_n":
@@ -617,13 +624,14 @@ def _compare_sequential(got: SequentialRun, want: SequentialRun, what: str) -> N
 
 def _engine_hint(attr: str) -> str:
     return {
-        "block_ids": "the engine takes new blocks with popleft_n (the head, least recently "
-                     "freed first) and gives a request's blocks back with append_n, last "
-                     "block first.",
+        "block_ids": "the engine takes new blocks with popleft_n (the head) and gives a "
+                     "request's blocks back last block first: the cached ones with append_n "
+                     "(the tail), the others with prepend_n (the head).",
         "hit_tokens": "a hit depends on which cached blocks are still there: the head of the "
                       "queue is evicted first, so the order decides who hits.",
-        "queue_after": "after a request finishes, its blocks join the tail, in the order "
-                       "append_n receives them.",
+        "queue_after": "after a request finishes, its cached blocks join the tail in the "
+                       "order append_n receives them, its uncached ones the head in the order "
+                       "prepend_n receives them.",
         "num_free_after": "num_free_blocks must equal the number of blocks in the queue.",
         "queue": "compare the queue after each step with the reference's.",
     }[attr]
@@ -665,8 +673,8 @@ def exercise_2(queue_cls) -> None:
 # -- exercise 3: the free queue and the hits, by hand ---------------------------------------
 
 def simulate_scenario(*, tail_first: bool = True, freed_to_tail: bool = True,
-                      cap: bool = True, evict: bool = True, null_in_queue: bool = False
-                      ) -> tuple[list[int], dict[str, int]]:
+                      uncached_to_head: bool = True, cap: bool = True, evict: bool = True,
+                      null_in_queue: bool = False) -> tuple[list[int], dict[str, int]]:
     """The lab's scenario by the rules (each flag off: a mistaken rule):
     (the free queue after C, head first; hit tokens of D, E and F)."""
     bs = BLOCK_SIZE
@@ -697,7 +705,13 @@ def simulate_scenario(*, tail_first: bool = True, freed_to_tail: bool = True,
             cached.setdefault(prefix, blocks[k])
             content[blocks[k]] = prefix
         freed = list(reversed(blocks)) if tail_first else list(blocks)
-        queue = queue + freed if freed_to_tail else freed + queue
+        if not freed_to_tail:
+            queue = freed + queue
+        elif not uncached_to_head:
+            queue = queue + freed
+        else:  # cached blocks to the tail, the others (a partial block) to the head
+            queue = ([b for b in freed if b not in content] + queue
+                     + [b for b in freed if b in content])
         if name == "C":
             after_c = list(queue)
         if name in "DEF":
@@ -711,8 +725,12 @@ _EX3_MISTAKES = [
      "passes them reversed): the end of a prompt is the part least likely to be shared, so "
      "it should be evicted before the beginning."),
     ({"freed_to_tail": False},
-     "freed blocks join the TAIL of the queue and new blocks come from the head: the queue "
-     "is least recently used first."),
+     "freed blocks that are cached join the TAIL of the queue and new blocks come from the "
+     "head: the cached blocks are evicted least recently used first."),
+    ({"uncached_to_head": False},
+     "a freed block that holds no cached block (A's partial last block) goes to the HEAD of "
+     "the queue, not the tail: no request can ever hit it, so it is reused before any "
+     "cached block is evicted (BlockPool.free_blocks: prepend_n for blocks without a hash)."),
     ({"null_in_queue": True},
      "block 0 is the null block: the pool takes it out of the queue at the start and never "
      "hands it out or frees it."),
@@ -758,7 +776,8 @@ def exercise_3(queue_after_c: list[int], hit_tokens: dict[str, int]) -> None:
         if hint is None:
             hint = ("walk it block by block: the queue starts [1..9]; each request takes "
                     "ceil(tokens / 4) blocks from the head (after its hits), caches its full "
-                    "blocks, and on finishing gives them back to the tail, last block first.")
+                    "blocks, and on finishing gives them back last block first: cached "
+                    "ones to the tail, the others to the head.")
     which = []
     if got_queue != want_queue:
         which.append(f"the free queue after C should be {want_queue}; yours is {got_queue}")

@@ -9,10 +9,13 @@ request holds which (that is `KVCacheManager`'s). Its rules:
   because its slots are about to be overwritten.
 - `touch` takes cached blocks into use for a prefix hit: a block nobody held
   is unlinked from the free queue, and every touched block gains a reference.
-- `free_blocks` drops one reference from each block, and appends those left
-  with none to the tail of the free queue **in the order given**. The caller
-  passes a request's blocks tail first, so that the end of a prompt, the part
-  least likely to be shared, is evicted before its beginning.
+- `free_blocks` drops one reference from each block. Those left with none
+  and cached go to the tail of the free queue **in the order given**: the
+  caller passes a request's blocks tail first, so that the end of a prompt,
+  the part least likely to be shared, is evicted before its beginning. Those
+  left with none and not cached (a partial last block, or every block when
+  caching is off) go to the head, in the same order: no hit can want them,
+  so they are reused before any cached block is evicted.
 - `cache_full_blocks` indexes blocks by the hashes of their tokens once they
   are full.
 
@@ -107,17 +110,19 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each; those left unused join the free
-        queue's tail in this order (first here, evicted first)."""
+        queue in this order (first here, reused first): uncached ones at the
+        head, cached ones at the tail."""
         ordered_blocks = list(ordered_blocks)
         for block_id, times in Counter(b.block_id for b in ordered_blocks).items():
             if self.blocks[block_id].ref_cnt < times:  # all checked before any change
                 raise RuntimeError(f"block {block_id} freed more often than taken")
-        unused = []
+        uncached, cached = [], []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
-                unused.append(block)
-        self.free_block_queue.append_n(unused)
+                (cached if block.block_hash is not None else uncached).append(block)
+        self.free_block_queue.prepend_n(uncached)
+        self.free_block_queue.append_n(cached)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is in use,

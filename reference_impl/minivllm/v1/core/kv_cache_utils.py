@@ -11,10 +11,12 @@ per-sequence block tables:
   is handed out again.
 - One doubly linked `FreeKVCacheBlockQueue` holds every block with no
   references, cached or not, **in eviction order**: new blocks come from the
-  head, freed blocks go to the tail. There is no separate evictor: the LRU
-  order *is* the free order. A cached block that gets a new user ("touched")
-  is unlinked from the middle in O(1), which is why the list is linked by
-  hand instead of being a `collections.deque`.
+  head; freed blocks that are cached go to the tail, freed blocks that are
+  not (a partial last block) to the head, since no hit can ever want them.
+  There is no separate evictor: the LRU order of the cached blocks *is* the
+  free order. A cached block that gets a new user ("touched") is unlinked
+  from the middle in O(1), which is why the list is linked by hand instead
+  of being a `collections.deque`.
 """
 
 from __future__ import annotations
@@ -149,6 +151,18 @@ class FreeKVCacheBlockQueue:
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         for block in blocks:
             self.append(block)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put blocks at the head, in the order given (the first given is
+        handed out first): blocks no hit can want are reused before any
+        cached one is evicted."""
+        for block in reversed(blocks):
+            first = self.fake_free_list_head.next_free_block
+            first.prev_free_block = block
+            block.next_free_block = first
+            block.prev_free_block = self.fake_free_list_head
+            self.fake_free_list_head.next_free_block = block
+            self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Every free block, head (next out) first."""
