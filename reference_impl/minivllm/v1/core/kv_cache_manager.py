@@ -121,7 +121,8 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         new_computed = new_computed_blocks.blocks if new_computed_blocks else []
-        req_blocks = self.req_to_blocks[request.request_id]
+        # Looked up without creating the entry: a refused request holds nothing.
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens, self.max_model_len)
         num_new_blocks = (
@@ -135,6 +136,7 @@ class KVCacheManager:
 
         if self.enable_caching:
             self.block_pool.touch(new_computed)
+        req_blocks = self.req_to_blocks[request.request_id]
         if request.request_id not in self.num_cached_block:
             # The request's first blocks: its cache hits, all cached. Counted
             # only here, as vLLM's save_new_computed_blocks does: recounting
