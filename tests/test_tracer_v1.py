@@ -221,9 +221,8 @@ def test_prefix_hit_and_the_free_queue_order(prefix_run):
                 freed = [x for x in reversed(prev["block_tables"][rid]) if x not in still_held]
                 to_tail = [x for x in freed if x in cached_now]
                 to_head = [x for x in freed if x not in cached_now]
-                assert (
-                    queue[len(queue) - len(to_tail) :] == to_tail and queue[: len(to_head)] == to_head
-                ) or len(step["finished"]) > 1
+                at_tail = queue[len(queue) - len(to_tail) :] == to_tail
+                assert (at_tail and queue[: len(to_head)] == to_head) or len(step["finished"]) > 1
         prev = step
     # At the end every block is free; the full ones still hold their hash.
     last = trace.steps[-1]
