@@ -82,29 +82,38 @@ def load_named_weights(
     `stacked_params_mapping` goes into its rows of a fused projection. Every
     parameter must be loaded exactly once, except an output head tied to
     the input embedding.
+
+    Skipped, as vLLM's models skip them: a stored `lm_head.weight` when the
+    head is tied (the head *is* the embedding, whatever copy the checkpoint
+    holds), and a bias the model does not have (quantized checkpoints carry
+    them). Any other tensor the model lacks is refused by name.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
-    for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name:
+    for checkpoint_name, tensor in weights:
+        if "rotary_emb.inv_freq" in checkpoint_name:
             continue  # derived from the config, not a weight
-        for fused, part, shard_id in stacked_params_mapping:
+        if tied and checkpoint_name == "lm_head.weight":
+            continue
+        name, shard_id = checkpoint_name, None
+        for fused, part, part_id in stacked_params_mapping:
             if f".{part}." in name:
-                name = name.replace(f".{part}.", f".{fused}.")
-                params[name].weight_loader(params[name], tensor, shard_id)
-                loaded.add(name)
+                name, shard_id = name.replace(f".{part}.", f".{fused}."), part_id
                 break
-        else:
-            if name not in params:
-                if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
-                    continue  # some checkpoints store the tied head anyway
-                raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter")
-            loader = getattr(params[name], "weight_loader", default_weight_loader)
-            try:
-                loader(params[name], tensor)
-            except ValueError as e:
-                raise ValueError(f"Checkpoint tensor {name!r}: {e}") from e
-            loaded.add(name)
+        if name not in params:
+            if name.endswith(".bias"):
+                continue
+            raise ValueError(f"Checkpoint tensor {checkpoint_name!r} matches no model parameter")
+        param = params[name]
+        try:
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: {e}") from e
+        loaded.add(name)
     # A tied parameter appears under two names; loading either loads both.
     loaded_ids = {id(params[n]) for n in loaded}
     missing = [n for n, p in params.items() if id(p) not in loaded_ids]
