@@ -105,6 +105,20 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
+# The RoPE variants RotaryEmbedding implements (vLLM's get_rope has more).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: PretrainedConfig) -> tuple[float, dict]:
+    """(theta, scaling dict) from a config of either transformers 4 or 5 style."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return float(params.get("rope_theta", 10000.0)), dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    return float(getattr(config, "rope_theta", 10000.0)), scaling
+
+
 @dataclass
 class ModelConfig:
     """The checkpoint to serve and how to run it.
@@ -220,9 +234,12 @@ class ModelConfig:
     def derive_max_model_len(self) -> int:
         """The longest sequence the checkpoint allows.
 
-        Sliding-window attention (Mistral, some Qwen2) is not implemented:
-        within the window it equals full attention, so the window caps the
-        length.
+        Linear RoPE scaling stretches the positions by `factor`, so the
+        context grows by it, as vLLM's `_get_and_verify_max_len` derives it
+        (llama3 scaling needs nothing: its max_position_embeddings is
+        already the long one). Sliding-window attention (Mistral, some
+        Qwen2) is not implemented: within the window it equals full
+        attention, so the window caps the length.
         """
         length = 2048
         for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
@@ -230,6 +247,15 @@ class ModelConfig:
             if value is not None:
                 length = int(value)
                 break
+        _, scaling = rope_parameters(self.hf_config)
+        rope_type = scaling.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} of this model is not supported; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if rope_type == "linear":
+            length = int(length * scaling["factor"])
         window = getattr(self.hf_config, "sliding_window", None)
         if window and getattr(self.hf_config, "use_sliding_window", True):
             length = min(length, int(window))

@@ -13,6 +13,7 @@ import math
 import torch
 from transformers import PretrainedConfig
 
+from minivllm.config import SUPPORTED_ROPE_TYPES, rope_parameters
 from minivllm.model_executor.custom_op import CustomOp
 from minivllm.model_executor.layers import cpu_ops_numba
 
@@ -32,33 +33,25 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(in_band, interpolated, out)
 
 
-def rope_parameters(config: PretrainedConfig) -> tuple[float, dict]:
-    """(theta, scaling dict) from a config of either transformers 4 or 5 style."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return float(params.get("rope_theta", 10000.0)), dict(params)
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    scaling.setdefault("rope_type", scaling.get("type", "default"))
-    return float(getattr(config, "rope_theta", 10000.0)), scaling
-
-
 class RotaryEmbedding(CustomOp):
     def __init__(self, head_size: int, max_position: int, config: PretrainedConfig) -> None:
         super().__init__()
         self.head_size = head_size
         base, scaling = rope_parameters(config)
         rope_type = scaling.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:  # ModelConfig refuses it first
+            raise ValueError(f"rope type {rope_type!r} is not supported")
         inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
-        positions = torch.arange(max_position, dtype=torch.float32)
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif rope_type == "linear":
-            positions = positions / scaling["factor"]
-        elif rope_type != "default":
-            raise ValueError(
-                f"rope type {rope_type!r} is not supported; supported: default, linear, llama3"
-            )
-        freqs = torch.outer(positions, inv_freq)  # [max_position, head_size / 2]
+        if rope_type == "linear":
+            # Positions stretched by `factor`: the context grows by it too
+            # (vLLM's LinearScalingRotaryEmbedding).
+            factor = scaling["factor"]
+            positions = torch.arange(int(max_position * factor), dtype=torch.float32) / factor
+        else:
+            positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [num_positions, head_size / 2]
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 

@@ -22,7 +22,10 @@ from minivllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from minivllm.model_executor.layers.logits_processor import LogitsProcessor
-from minivllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from minivllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from minivllm.model_executor.weight_utils import load_named_weights
 
 _CONV1D_LAYERS = ("c_attn", "c_proj", "c_fc")
@@ -96,8 +99,12 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.transformer = GPT2Model(config)
-        # GPT-2 ties its output head to the token embedding.
-        self.lm_head = self.transformer.wte
+        # GPT-2 ties its output head to the token embedding, unless its config
+        # says otherwise (vLLM 0.6 ignores that and always ties; HF does not).
+        if config.tie_word_embeddings:
+            self.lm_head = self.transformer.wte
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def forward(
@@ -115,9 +122,9 @@ class GPT2LMHeadModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def converted():
             for name, tensor in weights:
-                if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
-                    continue  # tied head; causal-mask buffers of old checkpoints
-                if not name.startswith("transformer."):
+                if name.endswith((".attn.bias", ".attn.masked_bias")):
+                    continue  # causal-mask buffers of old checkpoints
+                if not name.startswith(("transformer.", "lm_head.")):
                     name = "transformer." + name  # the original openai checkpoints
                 if name.endswith(".weight") and name.split(".")[-2] in _CONV1D_LAYERS:
                     tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]

@@ -23,7 +23,10 @@ from minivllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from minivllm.model_executor.layers.logits_processor import LogitsProcessor
-from minivllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from minivllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from minivllm.model_executor.weight_utils import load_named_weights
 
 _POSITION_OFFSET = 2  # OPT's position table starts with two unused rows
@@ -130,8 +133,12 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = OPTModel(config)
-        # OPT always ties its output head to the input embedding.
-        self.lm_head = self.model.decoder.embed_tokens
+        # OPT ties its output head to the input embedding, unless its config
+        # says otherwise (vLLM 0.6 ignores that and always ties; HF does not).
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.decoder.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def forward(
@@ -149,8 +156,6 @@ class OPTForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed():
             for name, tensor in weights:
-                if name == "lm_head.weight":
-                    continue  # tied to the embedding
                 # Older checkpoints (the original facebook/opt-*) drop "model.".
                 if name.startswith("decoder."):
                     name = "model." + name

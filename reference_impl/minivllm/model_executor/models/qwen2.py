@@ -1,7 +1,8 @@
 """Qwen2: the Llama architecture with a bias on the q/k/v projections.
 
 (Qwen2's optional sliding-window attention is off in its released configs
-and not implemented here; see models/__init__.py for the check.)
+and not implemented here: a window caps the context instead, in
+`ModelConfig.derive_max_model_len`.)
 """
 
 from __future__ import annotations
