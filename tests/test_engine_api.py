@@ -11,6 +11,7 @@ import torch
 
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.sequence import SequenceStatus
+from tools.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -278,3 +279,15 @@ def test_finished_states_map_to_vllm_reasons():
     assert SequenceStatus.get_finished_reason(SequenceStatus.FINISHED_LENGTH_CAPPED) == "length"
     assert SequenceStatus.get_finished_reason(SequenceStatus.FINISHED_ABORTED) == "abort"
     assert SequenceStatus.get_finished_reason(SequenceStatus.RUNNING) is None
+
+
+def test_a_vocabulary_that_does_not_split_over_the_ranks_is_refused_up_front(tmp_path):
+    """400 tokens pad to 448 rows (a multiple of 64), which 3 ranks cannot
+    share: refused from the config, before any worker starts."""
+    path = make_tiny_model(
+        "llama", str(tmp_path / "vocab-400"), vocab_size=400, hidden_size=96,
+        num_attention_heads=6, num_key_value_heads=3,
+    )
+    message = r"vocabulary \(400 tokens, padded to 448 rows\) must split evenly over"
+    with pytest.raises(ValueError, match=message):
+        LLM(path, tensor_parallel_size=3)

@@ -94,9 +94,11 @@ ARCHS = tuple(_MODEL_CLASSES)
 
 
 def make_tiny_model(arch: str, path: str, seed: int = 0, **config_overrides) -> str:
-    """Save a random `arch` checkpoint with its tokenizer to `path`; returns it."""
+    """Save a random `arch` checkpoint with its tokenizer to `path`; returns it.
+    The vocabulary is the tokenizer's unless `vocab_size` overrides it (a
+    model may have more rows than its tokenizer has tokens)."""
     tokenizer = build_tokenizer()
-    config = _config(arch, len(tokenizer), **config_overrides)
+    config = _config(arch, config_overrides.pop("vocab_size", len(tokenizer)), **config_overrides)
     torch.manual_seed(seed)
     model = _MODEL_CLASSES[arch](config).eval()
     os.makedirs(path, exist_ok=True)

@@ -288,7 +288,8 @@ class ModelConfig:
         return max(1, self.get_total_num_kv_heads() // tp)
 
     def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
-        """Refuse, before any worker starts, a split that leaves a rank part of a head."""
+        """Refuse, before any worker starts, a split that leaves a rank part
+        of a head or of the vocabulary's rows."""
         tp = parallel_config.tensor_parallel_size
         heads = self.get_num_attention_heads()
         if heads % tp:
@@ -301,6 +302,15 @@ class ModelConfig:
             raise ValueError(
                 f"Total number of KV heads ({kv_heads}) and tensor_parallel_size ({tp}) must "
                 "divide one another (each rank holds a share of the KV heads, or one replica)."
+            )
+        # Imported here: the layers import this module.
+        from minivllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
+
+        vocab_size = self.hf_config.vocab_size
+        if pad_vocab_size(vocab_size) % tp:
+            raise ValueError(
+                f"The vocabulary ({vocab_size} tokens, padded to {pad_vocab_size(vocab_size)} "
+                f"rows) must split evenly over tensor_parallel_size ({tp})."
             )
         if tp > 1 and self.dry_run:
             raise ValueError(
