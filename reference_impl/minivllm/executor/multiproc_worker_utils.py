@@ -5,10 +5,12 @@
 interpreter, so no CUDA or thread state is inherited) and sends it
 `(task_id, method, args)` on its task queue; every process answers on one
 shared result queue, which a `ResultHandler` thread reads to complete the
-caller's `Future`. A `WorkerMonitor` thread waits on the processes: one that
-dies unasked fails every pending call with its rank and exit code, and the
-others are stopped. Each worker process also watches its parent and exits
-when the parent is gone, so no worker outlives a killed engine.
+caller's `Future`. A worker that raises sends the error back and waits for
+the next task; the executor fails the call with it. A `WorkerMonitor`
+thread waits on the processes: one that dies unasked fails every pending
+call with its rank and exit code, and the others are stopped. Each worker
+process also watches its parent and exits when the parent is gone, so no
+worker outlives a killed engine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
@@ -33,15 +36,29 @@ _STOP = None  # on a task queue: leave the task loop
 
 
 class ResultHandler(threading.Thread):
-    """Completes each task's Future from the shared result queue."""
+    """Completes each task's Future from the shared result queue.
+
+    Only the workers write to that queue. A queue's writers share one lock,
+    and a worker killed while it held it (or that exited before its queue's
+    feeder thread had let go) leaves it held for good: a put from this
+    process would then wait forever, at shutdown or in the interpreter's
+    exit, joining the feeder thread. So the handler is stopped by an event,
+    which it checks between short waits for a result."""
+
+    _POLL_S = 0.1
 
     def __init__(self, context) -> None:
         super().__init__(daemon=True, name="minivllm-result-handler")
         self.result_queue = context.Queue()
         self.tasks: dict[int, Future] = {}
+        self.closed = threading.Event()
 
     def run(self) -> None:
-        for task_id, value, error in iter(self.result_queue.get, _STOP):
+        while not self.closed.is_set():
+            try:
+                task_id, value, error = self.result_queue.get(timeout=self._POLL_S)
+            except queue.Empty:
+                continue
             future = self.tasks.pop(task_id, None)
             if future is None:
                 continue
@@ -57,7 +74,7 @@ class ResultHandler(threading.Thread):
                 future.set_exception(RuntimeError(message))
 
     def close(self) -> None:
-        self.result_queue.put(_STOP)
+        self.closed.set()
 
 
 class ProcessWorkerWrapper:
