@@ -171,7 +171,7 @@ def test_a_refused_request_fails_alone(model, offline):
         too_long = engine.generate({"prompt_token_ids": list(range(40))}, PARAMS[0], "long")
         with pytest.raises(ValueError, match="max_model_len=32"):
             await anext(too_long)
-        with pytest.raises(ValueError, match="already in use"):
+        with pytest.raises(KeyError, match="Request good already exists."):
             engine.add_request("good", {"prompt_token_ids": [1]}, PARAMS[0])
         return engine, await good
 

@@ -180,7 +180,9 @@ def test_step_stats_report_prefix_cache_hits(tiny_model_dir):
     assert stats.num_prefill_tokens == 1
 
 
-def make_stats(now: float, prefill: int = 0, decode: int = 0, **kwargs) -> Stats:
+def make_stats(
+    now: float, prefill: int = 0, decode: int = 0, generation: int = 0, **kwargs
+) -> Stats:
     fields = dict(
         num_running=0,
         num_waiting=0,
@@ -192,7 +194,13 @@ def make_stats(now: float, prefill: int = 0, decode: int = 0, **kwargs) -> Stats
         prefix_cache_hits=0,
     )
     fields.update(kwargs)
-    return Stats(now=now, num_prefill_tokens=prefill, num_decode_tokens=decode, **fields)
+    return Stats(
+        now=now,
+        num_prefill_tokens=prefill,
+        num_decode_tokens=decode,
+        num_generation_tokens=generation,
+        **fields,
+    )
 
 
 def log_lines(caplog) -> list[str]:
@@ -200,17 +208,23 @@ def log_lines(caplog) -> list[str]:
 
 
 def test_stat_logger_logs_interval_throughput(caplog):
+    """vLLM v0.6's lines: generation throughput counts every token sampled
+    (a finished prompt's first token too), and the prefix-cache line comes
+    apart, only with a prefix cache."""
     caplog.set_level(logging.INFO, logger="minivllm.engine.metrics")
     stat_logger = StatLogger(log_interval=5.0, last_log_time=100.0)
-    stat_logger.log(make_stats(101.0, prefill=60))
-    stat_logger.log(make_stats(103.0, prefill=40, decode=20))
-    stat_logger.log(make_stats(104.9, decode=10))
+    # Two prompts finish: 60 prompt tokens, their 2 first tokens.
+    stat_logger.log(make_stats(101.0, prefill=60, generation=2))
+    # A third prompt finishes beside 20 decodes: 20 + 1 tokens.
+    stat_logger.log(make_stats(103.0, prefill=40, decode=20, generation=21))
+    stat_logger.log(make_stats(104.9, decode=10, generation=10))
     assert log_lines(caplog) == []  # 4.9 s: the interval has not elapsed
 
-    # 100 prompt and 40 generation tokens in the 5 s since 100.0.
+    # 100 prompt and 2 + 21 + 10 + 7 = 40 generated tokens in the 5 s since 100.0.
     last = make_stats(
         105.0,
-        decode=10,
+        decode=7,
+        generation=7,
         num_running=3,
         num_swapped=1,
         num_waiting=2,
@@ -218,24 +232,28 @@ def test_stat_logger_logs_interval_throughput(caplog):
         cpu_cache_usage=0.125,
         prefix_cache_queries=8,
         prefix_cache_hits=4,
+        enable_prefix_caching=True,
     )
     stat_logger.log(last)
     assert log_lines(caplog) == [
         "Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 8.0 tokens/s, "
         "Running: 3 reqs, Swapped: 1 reqs, Pending: 2 reqs, GPU KV cache usage: 62.5%, "
-        "CPU KV cache usage: 12.5%, Prefix cache hit rate: 50.0%"
+        "CPU KV cache usage: 12.5%.",
+        "Prefix cache hit rate: GPU: 50.00%, CPU: 0.00%",
     ]
 
-    # A new interval starts at 105.0: only its own tokens count.
+    # A new interval starts at 105.0: only its own tokens count. No prefix
+    # cache: no second line.
     stat_logger.log(make_stats(107.0, prefill=30))
-    stat_logger.log(make_stats(110.0, decode=6))
-    assert len(log_lines(caplog)) == 2
-    assert log_lines(caplog)[1].startswith(
+    stat_logger.log(make_stats(110.0, decode=6, generation=6))
+    assert len(log_lines(caplog)) == 3
+    assert log_lines(caplog)[2].startswith(
         "Avg prompt throughput: 6.0 tokens/s, Avg generation throughput: 1.2 tokens/s, "
     )
     assert stat_logger.last_stats.now == 110.0
     totals = (stat_logger.total_prefill_tokens, stat_logger.total_decode_tokens)
-    assert totals == (130, 46)
+    assert totals == (130, 20 + 10 + 7 + 6)
+    assert stat_logger.total_generation_tokens == 2 + 21 + 10 + 7 + 6
 
 
 def test_stat_logger_disabled_logs_nothing_but_keeps_totals(caplog):
@@ -275,3 +293,5 @@ def test_engine_logs_stats_only_when_enabled(disable_log_stats, tiny_model_dir, 
         assert "GPU KV cache usage: 12.5%, CPU KV cache usage: 0.0%" in lines[0]
     assert stat_logger.total_prefill_tokens == 16
     assert stat_logger.total_decode_tokens == 2
+    # The prefill's token and the 2 decoded ones.
+    assert stat_logger.total_generation_tokens == 3

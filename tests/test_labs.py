@@ -290,7 +290,9 @@ def _sse_alternative(lines):
 
 
 def _tracker(*, no_finish=False, pop_before_put=False, pop_always=False, never_pop=False,
-             abort_not_queued=False, abort_leaks_stream=False, strict_lookup=False):
+             abort_not_queued=False, abort_leaks_stream=False, strict_lookup=False,
+             ignore_queue=False, queued_no_finish=False, queued_no_pop=False,
+             queued_strict_pop=False):
     class Tracker(RequestTracker):
         def process_request_output(self, request_output):
             rid = request_output.request_id
@@ -317,6 +319,17 @@ def _tracker(*, no_finish=False, pop_before_put=False, pop_always=False, never_p
                     stream.finish()
 
         def abort_request(self, request_id, exception=None):
+            if queued_no_pop and request_id in self._new_requests:
+                self._new_requests[request_id][0].finish(exception or asyncio.CancelledError())
+                return
+            if queued_strict_pop:
+                queued = self._new_requests.pop(request_id)
+            else:
+                queued = None if ignore_queue else self._new_requests.pop(request_id, None)
+            if queued is not None:
+                if not queued_no_finish:
+                    queued[0].finish(exception or asyncio.CancelledError())
+                return
             if not abort_not_queued:
                 self._aborted_requests.add(request_id)
             if abort_leaks_stream:
@@ -329,7 +342,8 @@ def _tracker(*, no_finish=False, pop_before_put=False, pop_always=False, never_p
 
 
 class _AlternativeTracker(RequestTracker):
-    """Correct, written otherwise: look up first, pop with del."""
+    """Correct, written otherwise: look up first, pop with del; the engine's
+    stream first, then the queue."""
 
     def process_request_output(self, request_output):
         rid = request_output.request_id
@@ -342,9 +356,13 @@ class _AlternativeTracker(RequestTracker):
             stream.finish()
 
     def abort_request(self, request_id, exception=None):
-        self._aborted_requests.add(request_id)
-        if request_id in self._request_streams:
-            self._request_streams.pop(request_id).finish(exception or asyncio.CancelledError())
+        stream = self._request_streams.pop(request_id, None)
+        if stream is None and request_id in self._new_requests:
+            stream, _ = self._new_requests.pop(request_id)  # the engine never saw it
+        else:
+            self._aborted_requests.add(request_id)
+        if stream is not None:
+            stream.finish(exception or asyncio.CancelledError())
 
 
 def _ttft(text, *, which="time_to_first_token", sum_only=False, bucket=False):
@@ -414,6 +432,13 @@ def test_day13_exercise_1_passes(day13, lab_server, answer, capsys):
     ("abort_not_queued", "never reached `LLMEngine.abort_request`"),
     ("abort_leaks_stream", "`abort_request` must finish the stream"),
     ("strict_lookup", "use `.get` or `.pop(request_id, None)` and skip the output"),
+    # A request aborted while still in `_new_requests` (the lab's answer before the queue
+    # became a dict): ignored, popped but never finished, finished but left queued.
+    ("ignore_queue", "yet the loop handed it to `LLMEngine.add_request` a step later"),
+    ("queued_no_pop", "did get asyncio.CancelledError, but the request stayed in "
+                      "`self._new_requests`"),
+    ("queued_no_finish", "must be finished too"),
+    ("queued_strict_pop", "a client's abort failed inside your code: KeyError"),
 ])
 def test_day13_exercise_2_rejects(day13, monkeypatch, mistake, message):
     monkeypatch.setattr(day13, "STALL_S", 8.0)

@@ -24,6 +24,13 @@ code that uses it checks it and names the variable when it is wrong.
   minivllm runs mostly in notebooks, tests and debuggers: in one process a
   breakpoint or a print in the scheduler just works, and no engine pays a
   few seconds to spawn an interpreter or leaves one behind.
+- MINIVLLM_ENGINE_ITERATION_TIMEOUT_S: the longest one step of the classic
+  `AsyncLLMEngine` (the API server's) may run, in seconds (default 60).
+  Past it the engine stops: the requests in flight fail with TimeoutError
+  and /health answers 503, where a hung step (a stuck collective, a
+  deadlock) would leave every client waiting (engine/async_llm_engine.py).
+  vLLM's twin is VLLM_ENGINE_ITERATION_TIMEOUT_S (whole seconds; ours
+  takes any number > 0).
 - MINIVLLM_TRACE: a JSON Lines path; every engine writes its trace there
   (engine/trace_writer.py, minivllm/tracer/), as if given `trace=PATH`.
 - MINIVLLM_USE_V1: "1" runs the V1 engine (minivllm/v1/) wherever no
@@ -58,6 +65,7 @@ ENVIRONMENT_VARIABLES = (
     "MINIVLLM_ATTENTION_BACKEND",
     "MINIVLLM_CPU_KVCACHE_SPACE",
     "MINIVLLM_ENABLE_V1_MULTIPROCESSING",
+    "MINIVLLM_ENGINE_ITERATION_TIMEOUT_S",
     "MINIVLLM_TRACE",
     "MINIVLLM_USE_V1",
     "CXX",

@@ -121,6 +121,8 @@ class LLMEngine:
         self.dead_error: BaseException | None = None
         self._live_request_ids: set[str] = set()
         self.stat_logger = StatLogger(log_interval=_LOCAL_LOGGING_INTERVAL_SEC, enabled=log_stats)
+        # The last step's Stats (forced logs, `do_log_stats`, leave it be).
+        self._step_stats: Stats | None = None
         self.step_observers: list[StepObserver] = []
         self.trace_writer: TraceWriter | None = None
         trace = trace or envs.MINIVLLM_TRACE
@@ -285,9 +287,8 @@ class LLMEngine:
         samples: list[tuple[int, int, int]] | None = None,
     ) -> list[RequestOutput]:
         request_outputs = self._process_model_outputs(output, scheduler_outputs, samples)
-        self.stat_logger.log(
-            build_stats(self.scheduler, scheduler_outputs, seq_group_metadata_list)
-        )
+        self._step_stats = build_stats(self.scheduler, scheduler_outputs, seq_group_metadata_list)
+        self.stat_logger.log(self._step_stats)
         return request_outputs
 
     def _observed_step(self) -> tuple[list[RequestOutput], StepRecord]:
@@ -364,9 +365,18 @@ class LLMEngine:
 
     def get_stats(self) -> Stats:
         """The last step's `Stats`; before the first step, the current state's."""
-        if self.stat_logger.last_stats is None:
+        if self._step_stats is None:
             return build_stats(self.scheduler)
-        return self.stat_logger.last_stats
+        return self._step_stats
+
+    def do_log_stats(self) -> Stats:
+        """vLLM's forced log (its server calls it every 10 s): the state now,
+        with no step, so every per-step count is 0 and only the gauges move;
+        the log line prints if its interval is up, so an idle server still
+        shows one. Returns those `Stats` for the server's stat loggers."""
+        stats = build_stats(self.scheduler)
+        self.stat_logger.log(stats)
+        return stats
 
     def _process_model_outputs(
         self,

@@ -1,11 +1,13 @@
 """Engine statistics: what each step did, and vLLM's periodic log line.
 
 After every step the engine builds a `Stats` (queues, KV-cache usage,
-tokens computed, preemptions, prefix-cache counters) and hands it to the
-`StatLogger`, which keeps running totals and, when logging is on, prints one
-line every `log_interval` seconds with the throughput over that interval:
+tokens computed and generated, preemptions, prefix-cache counters, the
+requests that finished) and hands it to the `StatLogger`, which keeps
+running totals and, when logging is on, prints vLLM v0.6's lines every
+`log_interval` seconds with the throughput over that interval:
 
     Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 8.0 tokens/s, ...
+    Prefix cache hit rate: GPU: 50.00%, CPU: 0.00%      (only with prefix caching)
 
 This is how an operator sees that a server is saturated (Pending grows),
 short of KV cache (usage near 100%, preemptions) or benefiting from prefix
@@ -14,11 +16,15 @@ caching (hit rate), without a profiler.
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from minivllm.core.scheduler import Scheduler, SchedulerOutputs
@@ -26,6 +32,10 @@ from minivllm.outputs import RequestOutput
 from minivllm.sequence import SequenceGroupMetadata
 
 logger = logging.getLogger(__name__)
+
+# As vLLM v0.6 does on import: no `*_created` sample beside every counter
+# and histogram on /metrics (process-wide, as prometheus_client's switch is).
+prometheus_client.disable_created_metrics()
 
 
 @dataclass
@@ -36,8 +46,17 @@ class Stats:
     fraction of a pool's blocks held by sequences: cached blocks that no one
     holds are evictable, so they count as free. Prefill tokens are those the
     model computed for prompts (a prefix-cache hit is not computed); decode
-    tokens are one per running sequence of a decoding group. The prefix-cache
-    counters are cumulative, in blocks, as the block manager keeps them.
+    tokens are one per running sequence of a decoding group. Generation
+    tokens are every token sampled: the decode tokens, plus one per sequence
+    of each group whose prompt finished in the step (vLLM v0.6's
+    `num_generation_tokens_iter`). The prefix-cache counters are cumulative,
+    in blocks, as the block manager keeps them.
+
+    `finished_reasons` and `time_e2e_requests` describe the requests that
+    finished in the step after running in it, as v0.6 walks only the
+    scheduled groups: one reason per sequence (all `best_of` of them), one
+    latency per request. A request the scheduler ignored, or one aborted,
+    is in neither.
     """
 
     now: float
@@ -51,12 +70,26 @@ class Stats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    enable_prefix_caching: bool = False
+    num_generation_tokens: int = 0
+    finished_reasons: list[str] = field(default_factory=list)
+    time_e2e_requests: list[float] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
+        """Hits over lookups since the start; -1 when prefix caching is off
+        (v0.6's "not supported or disabled"), 0.0 before any lookup."""
+        if not self.enable_prefix_caching:
+            return -1.0
         if not self.prefix_cache_queries:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def cpu_prefix_cache_hit_rate(self) -> float:
+        """The swap pool's: it is never looked up, so 0.0 (no lookups, as
+        v0.6's allocator reports them) with prefix caching, else -1."""
+        return 0.0 if self.enable_prefix_caching else -1.0
 
 
 def _usage(num_free: int, num_total: int) -> float:
@@ -70,11 +103,12 @@ def build_stats(
     seq_group_metadata_list: Sequence[SequenceGroupMetadata] = (),
 ) -> Stats:
     """The `Stats` of the step that `scheduler_outputs` scheduled, read once
-    its outputs are processed; with no step, the current state alone.
+    its outputs are processed; with no step, the current state alone (all
+    per-step counts 0: vLLM's forced log).
 
-    Tokens are counted from the step's metadata, not from the groups: while
-    outputs are processed a sequence that finishes stops being RUNNING, but
-    the metadata still lists every sequence that ran.
+    Computed tokens are counted from the step's metadata, not from the
+    groups: while outputs are processed a sequence that finishes stops being
+    RUNNING, but the metadata still lists every sequence that ran.
     """
     num_prefill_tokens = num_decode_tokens = 0
     for metadata in seq_group_metadata_list:
@@ -84,7 +118,7 @@ def build_stats(
         else:
             num_decode_tokens += num_seqs
     bm = scheduler.block_manager
-    return Stats(
+    stats = Stats(
         now=time.time(),
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -96,7 +130,27 @@ def build_stats(
         num_preemptions=len(scheduler_outputs.preempted) if scheduler_outputs else 0,
         prefix_cache_queries=bm.prefix_cache_queries,
         prefix_cache_hits=bm.prefix_cache_hits,
+        enable_prefix_caching=bm.enable_caching,
+        num_generation_tokens=num_decode_tokens,
     )
+    if scheduler_outputs is not None:
+        _add_scheduled_groups(stats, scheduler_outputs)
+    return stats
+
+
+def _add_scheduled_groups(stats: Stats, scheduler_outputs: SchedulerOutputs) -> None:
+    """What v0.6's `_get_stats` reads from the scheduled groups: a prefill
+    that finished its prompt made one token per sequence (`best_of` once it
+    forked; a chunk that left the prompt unfinished made none), and a group
+    that finished counts its sequences' reasons and its latency."""
+    for idx, scheduled in enumerate(scheduler_outputs.scheduled_seq_groups):
+        seq_group = scheduled.seq_group
+        if idx < scheduler_outputs.num_prefill_groups and not seq_group.is_prefill():
+            stats.num_generation_tokens += seq_group.num_seqs()
+        if seq_group.is_finished():
+            metrics = seq_group.metrics
+            stats.time_e2e_requests.append(metrics.finished_time - metrics.arrival_time)
+            stats.finished_reasons += [seq.finish_reason for seq in seq_group.get_seqs()]
 
 
 @dataclass
@@ -106,8 +160,10 @@ class StatLogger:
     The totals since the engine started are kept whether or not logging is
     `enabled` (vLLM's `disable_log_stats` turns off only the log line), so a
     lesson or a benchmark can read them after a run. Throughput is the tokens
-    of the steps recorded since the last line, divided by the seconds since
-    it: an average over the interval, not a per-step rate.
+    of the stats recorded since the last line, divided by the seconds since
+    it: an average over the interval, not a per-step rate. The server's
+    forced logs (`do_log_stats`, from the event loop) may come while a step
+    records its stats in the engine's thread: a lock keeps them apart.
     """
 
     log_interval: float
@@ -116,60 +172,84 @@ class StatLogger:
     last_stats: Stats | None = field(default=None, init=False)
     total_prefill_tokens: int = field(default=0, init=False)
     total_decode_tokens: int = field(default=0, init=False)
+    total_generation_tokens: int = field(default=0, init=False)
     total_preemptions: int = field(default=0, init=False)
     interval_prefill_tokens: int = field(default=0, init=False)
-    interval_decode_tokens: int = field(default=0, init=False)
+    interval_generation_tokens: int = field(default=0, init=False)
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.log_interval <= 0:
             raise ValueError(f"log_interval must be > 0 seconds, got {self.log_interval}")
 
     def log(self, stats: Stats) -> None:
+        with self._lock:
+            self._record(stats)
+            if self.enabled and stats.now - self.last_log_time >= self.log_interval:
+                self._log_line(stats)
+
+    def _record(self, stats: Stats) -> None:
         self.last_stats = stats
         self.total_prefill_tokens += stats.num_prefill_tokens
         self.total_decode_tokens += stats.num_decode_tokens
+        self.total_generation_tokens += stats.num_generation_tokens
         self.total_preemptions += stats.num_preemptions
-        if not self.enabled:
-            return
-        self.interval_prefill_tokens += stats.num_prefill_tokens
-        self.interval_decode_tokens += stats.num_decode_tokens
+        if self.enabled:
+            self.interval_prefill_tokens += stats.num_prefill_tokens
+            self.interval_generation_tokens += stats.num_generation_tokens
+
+    def _log_line(self, stats: Stats) -> None:
+        """v0.6's two lines: the throughput one, then the prefix-cache one
+        only where a pool has a prefix cache (a rate of -1 means none)."""
         elapsed = stats.now - self.last_log_time
-        if elapsed < self.log_interval:
-            return
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Swapped: %d reqs, Pending: %d reqs, "
-            "GPU KV cache usage: %.1f%%, CPU KV cache usage: %.1f%%, "
-            "Prefix cache hit rate: %.1f%%",
+            "GPU KV cache usage: %.1f%%, CPU KV cache usage: %.1f%%.",
             self.interval_prefill_tokens / elapsed,
-            self.interval_decode_tokens / elapsed,
+            self.interval_generation_tokens / elapsed,
             stats.num_running,
             stats.num_swapped,
             stats.num_waiting,
             stats.gpu_cache_usage * 100,
             stats.cpu_cache_usage * 100,
-            stats.prefix_cache_hit_rate * 100,
         )
-        self.interval_prefill_tokens = self.interval_decode_tokens = 0
+        gpu_rate, cpu_rate = stats.prefix_cache_hit_rate, stats.cpu_prefix_cache_hit_rate
+        if gpu_rate >= 0 or cpu_rate >= 0:
+            logger.info(
+                "Prefix cache hit rate: GPU: %.2f%%, CPU: %.2f%%", gpu_rate * 100, cpu_rate * 100
+            )
+        self.interval_prefill_tokens = self.interval_generation_tokens = 0
         self.last_log_time = stats.now
 
 
 class PrometheusStatLogger:
     """vLLM's Prometheus metrics, by vLLM's names, for a server's /metrics.
 
-    Shown every step's `Stats` and outputs (by `AsyncLLMEngine`): the
-    gauges take the queues and cache usage, the counters add the step's
-    prompt tokens (computed, as `Stats` counts them), generated tokens and
-    preemptions, and the histograms time each request from its outputs'
-    `RequestMetrics`: the first token (TTFT, from arrival), each later step
-    that gave it a token (TPOT: the gap since its previous token) and its
-    end (E2E). Finished requests count in `request_success_total` by
-    finish_reason; an aborted one counts nowhere, as in vLLM.
+    Shown every step's `Stats` and outputs (by `AsyncLLMEngine`, or V1's
+    `StatLoggerManager`): the gauges take the queues, cache usage and the
+    prefix-cache hit rate (-1 when caching is off, as v0.6), the counters
+    add the step's prompt tokens (computed, as `Stats` counts them),
+    generated tokens (all `best_of` sequences', as v0.6 counts the batch),
+    preemptions and finished sequences by finish_reason, and the E2E
+    histogram each finished request's latency. An aborted request, or one
+    the scheduler ignored, counts nowhere, as in vLLM.
 
-    Generated tokens are counted from the outputs, so with best_of > n only
-    the n returned sequences' tokens count. Each logger has its own
-    registry (vLLM uses prometheus_client's global one), so several engines
-    can live in one process, as in the tests.
+    The per-token histograms time each request from its outputs'
+    `RequestMetrics`: the first token (TTFT, from arrival) and each later
+    step that gave it a token (TPOT: the gap since its previous token). For
+    that the logger remembers each running request's last token, keyed by
+    the request's own `RequestMetrics` object (every output of a request
+    carries the same one), not by its id: two live requests may share an
+    id (V1), and V1 aborts a request without a final output. The memory
+    goes at the final output, or when the request's `RequestMetrics` is
+    collected (an aborted request's, once the engine and the client drop
+    it), so nothing piles up whichever way a request ends.
+
+    Each logger has its own registry (vLLM uses prometheus_client's global
+    one), so several engines can live in one process, as in the tests.
     """
 
     def __init__(self, labels: dict[str, str]) -> None:
@@ -260,10 +340,18 @@ class PrometheusStatLogger:
             self.histogram_e2e_time_request,
         ):
             metric.labels(**labels)
-        # request id -> (its last token's time, its output tokens so far)
-        self._seen: dict[str, tuple[float, int]] = {}
+        # id(a request's RequestMetrics) -> what its last output showed
+        self._seen: dict[int, _LastOutput] = {}
 
     def log(self, stats: Stats, request_outputs: list[RequestOutput]) -> None:
+        self._log_gauges(stats)
+        self._log_counters(stats)
+        for e2e in stats.time_e2e_requests:
+            self.histogram_e2e_time_request.labels(**self.labels).observe(e2e)
+        for output in request_outputs:
+            self._log_token_latencies(output)
+
+    def _log_gauges(self, stats: Stats) -> None:
         labels = self.labels
         self.gauge_scheduler_running.labels(**labels).set(stats.num_running)
         self.gauge_scheduler_waiting.labels(**labels).set(stats.num_waiting)
@@ -271,33 +359,49 @@ class PrometheusStatLogger:
         self.gauge_gpu_cache_usage.labels(**labels).set(stats.gpu_cache_usage)
         self.gauge_cpu_cache_usage.labels(**labels).set(stats.cpu_cache_usage)
         self.gauge_gpu_prefix_cache_hit_rate.labels(**labels).set(stats.prefix_cache_hit_rate)
+
+    def _log_counters(self, stats: Stats) -> None:
+        labels = self.labels
         self.counter_num_preemption.labels(**labels).inc(stats.num_preemptions)
         self.counter_prompt_tokens.labels(**labels).inc(stats.num_prefill_tokens)
-        for output in request_outputs:
-            self._log_request(output)
+        self.counter_generation_tokens.labels(**labels).inc(stats.num_generation_tokens)
+        for reason, count in collections.Counter(stats.finished_reasons).items():
+            self.counter_request_success.labels(**labels, finished_reason=reason).inc(count)
 
-    def _log_request(self, output: RequestOutput) -> None:
-        labels, metrics, rid = self.labels, output.metrics, output.request_id
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+    def _log_token_latencies(self, output: RequestOutput) -> None:
+        """TTFT at a request's first output with a token, TPOT at each later
+        one that added tokens. A request aborted (finish_reason "abort")
+        is timed no further, as in vLLM."""
+        metrics = output.metrics
+        if metrics is None:
+            return
+        key = id(metrics)
+        last = self._seen.pop(key, None) if output.finished else self._seen.get(key)
+        if output.finished and last is not None:
+            last.finalizer.detach()
         aborted = any(c.finish_reason == "abort" for c in output.outputs)
-        if metrics is not None and metrics.first_token_time is not None and not aborted:
-            last_time, last_tokens = self._seen.get(rid, (None, 0))
-            if last_time is None:
-                ttft = metrics.first_token_time - metrics.arrival_time
-                self.histogram_time_to_first_token.labels(**labels).observe(ttft)
-            elif num_tokens > last_tokens:
-                tpot = metrics.last_token_time - last_time
-                self.histogram_time_per_output_token.labels(**labels).observe(tpot)
-            self.counter_generation_tokens.labels(**labels).inc(max(num_tokens - last_tokens, 0))
-            self._seen[rid] = (metrics.last_token_time, num_tokens)
-        if not output.finished:
+        if metrics.first_token_time is None or aborted:
             return
-        self._seen.pop(rid, None)
-        if aborted or metrics is None:
+        labels = self.labels
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if last is None:
+            ttft = metrics.first_token_time - metrics.arrival_time
+            self.histogram_time_to_first_token.labels(**labels).observe(ttft)
+        elif num_tokens > last.num_tokens:
+            tpot = metrics.last_token_time - last.token_time
+            self.histogram_time_per_output_token.labels(**labels).observe(tpot)
+        if output.finished:
             return
-        e2e = metrics.finished_time - metrics.arrival_time
-        self.histogram_e2e_time_request.labels(**labels).observe(e2e)
-        for completion in output.outputs:
-            self.counter_request_success.labels(
-                **labels, finished_reason=completion.finish_reason
-            ).inc()
+        if last is None:  # forgotten when the request's metrics are collected
+            last = _LastOutput(weakref.finalize(metrics, self._seen.pop, key, None))
+            self._seen[key] = last
+        last.token_time, last.num_tokens = metrics.last_token_time, num_tokens
+
+
+@dataclass
+class _LastOutput:
+    """What the Prometheus logger remembers of a running request."""
+
+    finalizer: weakref.finalize
+    token_time: float = 0.0
+    num_tokens: int = 0

@@ -175,27 +175,72 @@ async def _read(engine, prompt, max_tokens, rid, log, leave_after=None, abort_af
     return outputs, "ended"
 
 
+async def _abort_while_queued(engine, prompt, max_tokens, rid, log, after):
+    """A client whose request is aborted before any step takes it: once request
+    `after` has an output (the loop is stepping; or after 2 s), the request is
+    queued (what `generate` does first) and aborted with nothing awaited in
+    between, so the loop cannot have handed it to the engine. Returns as
+    `_read` does."""
+    for _ in range(400):
+        if log.get(after):
+            break
+        await asyncio.sleep(0.005)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    stream = engine.add_request(rid, prompt, params)
+    await engine.abort(rid)  # the client went away at once
+    outputs = []
+    log[rid] = outputs
+    try:
+        async for out in stream.generator():
+            outputs.append(out)
+    except asyncio.CancelledError:
+        return outputs, "cancelled"
+    return outputs, "ended"
+
+
+_QUEUED = ("A small fox", 24)  # the request aborted while still queued
+
+
 async def _run_workload(tracker_cls):
     engine = _EngineWith.from_engine_args(AsyncEngineArgs(disable_log_stats=True,
                                                           disable_log_requests=True))
     engine.tracker_cls = tracker_cls
+    added: list[str] = []  # the ids that reach LLMEngine.add_request
+    aborted: set[str] = set()  # and LLMEngine.abort_request
+    add_request, abort_request = engine.engine.add_request, engine.engine.abort_request
+
+    def record_add(request_id, *args, **kwargs):
+        added.append(request_id)
+        return add_request(request_id, *args, **kwargs)
+
+    def record_abort(request_id):
+        aborted.update([request_id] if isinstance(request_id, str) else request_id)
+        return abort_request(request_id)
+
+    engine.engine.add_request, engine.engine.abort_request = record_add, record_abort
     log: dict[str, list] = {}
     tasks = [_read(engine, p, n, f"req-{i}", log) for i, (p, n) in enumerate(_NORMAL)]
     tasks.append(_read(engine, "A big bear", _LONG, "leaves", log, leave_after=2))
     tasks.append(_read(engine, "The old tree", _LONG, "aborted", log, abort_after=2))
+    tasks.append(_abort_while_queued(engine, *_QUEUED, "queued", log, after="req-0"))
     tasks = [asyncio.ensure_future(t) for t in tasks]
     done, pending = await asyncio.wait(tasks, timeout=STALL_S)
-    ids = [f"req-{i}" for i in range(len(_NORMAL))] + ["leaves", "aborted"]
+    ids = [f"req-{i}" for i in range(len(_NORMAL))] + ["leaves", "aborted", "queued"]
     stuck = [rid for rid, t in zip(ids, tasks, strict=True) if t in pending]
     for t in pending:
         t.cancel()
-    results = [t.result() if t in done and not t.exception() else None for t in tasks]
-    errors = [t.exception() for t in done if t.exception()]
+    results = {rid: t.result() if t in done and not t.exception() else None
+               for rid, t in zip(ids, tasks, strict=True)}
+    errors = {rid: t.exception() for rid, t in zip(ids, tasks, strict=True)
+              if t in done and t.exception()}
     state = dict(
         unfinished=engine.engine.has_unfinished_requests(),
         free=engine.engine.scheduler.block_manager.get_num_free_gpu_blocks(),
         total=engine.engine.cache_config.num_gpu_blocks,
         streams=sorted(engine._request_tracker._request_streams),
+        queued=sorted(engine._request_tracker._new_requests),
+        added=added,
+        aborted=aborted,
         loop_error=engine.dead_error,
     )
     engine.shutdown_background_loop()
@@ -317,11 +362,12 @@ def _check_output_after_abort(tracker_cls, output) -> None:
 
 
 def exercise_2(tracker_cls) -> None:
-    """Eight concurrent requests through the real AsyncLLMEngine with the
+    """Nine concurrent requests through the real AsyncLLMEngine with the
     learner's tracker: six run to the end (compared with LLM.generate), one
-    client disconnects after 2 outputs, one is aborted by `engine.abort`.
-    Then the same tracker behind the real server (uvicorn, in this process):
-    three streams compared with LLM.generate, and a client that hangs up."""
+    client disconnects after 2 outputs, one is aborted by `engine.abort`, and
+    one is aborted while still queued (the engine must never see it). Then
+    the same tracker behind the real server (uvicorn, in this process): three
+    streams compared with LLM.generate, and a client that hangs up."""
     if not (isinstance(tracker_cls, type) and issubclass(tracker_cls, RequestTracker)):
         raise AssertionError(f"Day {DAY}, exercise 2: pass your RequestTracker subclass (the "
                              f"class), got {tracker_cls!r}.")
@@ -329,9 +375,14 @@ def exercise_2(tracker_cls) -> None:
     with quiet_engine(), learner_code("The engine loop with your tracker", _WHERE2):
         results, stuck, errors, log, state = run_async(_run_workload(tracker_cls))
     if state["loop_error"] is not None or errors:
-        error = state["loop_error"] or errors[0]
+        error = state["loop_error"] or next(iter(errors.values()))
         if isinstance(error, NotImplementedError):
             raise error  # an unfinished exercise
+        if state["loop_error"] is None:  # raised in a client's call: the abort
+            raise _fail2(f"a client's abort failed inside your code: {type(error).__name__}: "
+                         f"{error}. `abort_request` gets any id: one in the engine, one still "
+                         "queued in `self._new_requests`, or one already over (do nothing). Use "
+                         "`.pop(request_id, None)`.")
         raise _fail2(f"the engine loop failed inside your code: {type(error).__name__}: {error}. "
                      "An output can come back for a request aborted while the step ran, whose "
                      "stream is already gone: use `.get` or `.pop(request_id, None)` and skip "
@@ -361,26 +412,65 @@ def exercise_2(tracker_cls) -> None:
         raise _fail2("after `engine.abort('aborted')` its reader waited "
                      f"{STALL_S:.0f} s: `abort_request` must finish the stream (with "
                      "asyncio.CancelledError) so the reader stops, not leave it open.")
-    _, how = results[-1]
+    _, how = results["aborted"]
     if how != "cancelled":
         raise _fail2("after `engine.abort('aborted')` its reader should get "
                      f"asyncio.CancelledError at once; instead its stream {how} (a step later, "
                      "through the engine's own final output): `abort_request` must finish the "
                      "stream itself, with the exception, and pop it from `_request_streams`.")
-    if state["unfinished"] or state["free"] != state["total"]:
-        raise _fail2(f"the other requests are done, yet the engine still runs a request "
-                     f"({state['total'] - state['free']} of {state['total']} KV blocks in use): "
-                     "the client that left, or the aborted request, never reached "
-                     "`LLMEngine.abort_request`. `abort_request` must add the id to "
+    in_use = f"{state['total'] - state['free']} of {state['total']} KV blocks in use"
+    who = {"leaves": "the client that left", "aborted": "the request aborted by `engine.abort`"}
+    missing = [who[rid] for rid in who if rid not in state["aborted"]]
+    if missing:
+        raise _fail2(f"the other requests are done, yet {' and '.join(missing)} never reached "
+                     f"`LLMEngine.abort_request` ({in_use}): "
+                     "`abort_request` must add the id to "
                      "`self._aborted_requests`, which the loop hands to the engine before the "
                      "next step.")
+    _check_aborted_while_queued(results["queued"], "queued" in stuck, log, state)
+    if state["unfinished"] or state["free"] != state["total"]:
+        raise _fail2(f"every client is done, yet the engine still runs a request ({in_use}).")
     _check_output_after_abort(tracker_cls, log["req-0"][0])
     _check_through_the_server(tracker_cls)
     if state["streams"]:
         raise _fail2(f"when all is over the tracker still holds the streams of {state['streams']}: "
                      "a finished or aborted request's stream must leave `_request_streams` (pop "
                      "it), or the id can never be used again and the dict grows for ever.")
+    if state["queued"]:
+        raise _fail2(f"when all is over the tracker still queues {state['queued']} in "
+                     "`_new_requests`: an aborted request must leave the queue.")
     passed(DAY, 2)
+
+
+_QUEUED_CASE = (" A request still in `self._new_requests` (request id -> (stream, add_request "
+                "kwargs)) is not in the engine: there is nothing there to abort, and the loop "
+                "would only hold it back one step, then add it. So `abort_request` must first "
+                "look there: pop it, finish its stream with the exception (else "
+                "asyncio.CancelledError), and return.")
+
+
+def _check_aborted_while_queued(result, stuck: bool, log, state) -> None:
+    """The client whose request was aborted before any step took it."""
+    outs = log.get("queued", [])
+    how = result[1] if result else None
+    what = ("a client's request was aborted while still queued (`generate` had queued it; no "
+            "step had taken it yet)")
+    if "queued" in state["added"]:
+        reader = ("its reader did get asyncio.CancelledError, but the request stayed in "
+                  "`self._new_requests`" if how == "cancelled" else
+                  f"its reader, instead of asyncio.CancelledError at once, got {len(outs)} "
+                  f"output(s) and its stream {'never ended' if stuck else how}")
+        raise _fail2(f"{what}, yet the loop handed it to `LLMEngine.add_request` a step later "
+                     "and it ran, holding KV blocks and a seat in every batch, for a client "
+                     f"that had gone; {reader}.{_QUEUED_CASE}")
+    if stuck:
+        raise _fail2(f"{what}: it never reached the engine, good, but its reader waited "
+                     f"{STALL_S:.0f} s for news: the stream of a request you take out of "
+                     f"`self._new_requests` must be finished too.{_QUEUED_CASE}")
+    if how != "cancelled":
+        raise _fail2(f"{what}: its stream ended without asyncio.CancelledError, as if the answer "
+                     f"were complete: finish it with the exception, as for a request in the "
+                     f"engine.{_QUEUED_CASE}")
 
 
 # -- exercise 3: reading /metrics ---------------------------------------------------

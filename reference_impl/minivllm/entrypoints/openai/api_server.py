@@ -11,7 +11,10 @@ The engine client (`EngineClient`, engine/protocol.py) is the classic
 `AsyncLLMEngine`, or with --use-v1 (or MINIVLLM_USE_V1=1) V1's `AsyncLLM`,
 whose engine core runs in a process of its own (`build_async_engine_client`,
 as vLLM's). The serving code is the same for both; so is /metrics, whose
-`PrometheusStatLogger` each engine feeds after every step.
+`PrometheusStatLogger` each engine feeds after every step. Unless
+--disable-log-stats, a task also calls the engine's `do_log_stats` every
+10 s while the server runs (vLLM's), so the gauges and the throughput line
+move when no step runs.
 
 Every error is OpenAI's JSON body {"error": {"message", "type", "param",
 "code"}}: 400 for a request that is malformed or out of range (naming the
@@ -65,6 +68,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds uvicorn waits, on SIGINT/SIGTERM, for responses still streaming.
 TIMEOUT_GRACEFUL_SHUTDOWN = 5
+# Seconds between forced stats logs while the server runs (vLLM's 10 s).
+FORCE_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -86,9 +91,14 @@ class CorsOptions:
 
 
 def build_app(
-    served: ServedModel, api_key: str | None = None, cors: CorsOptions = CorsOptions()
+    served: ServedModel,
+    api_key: str | None = None,
+    cors: CorsOptions = CorsOptions(),
+    log_stats: bool = False,
 ) -> FastAPI:
-    """The app for one served model; `api_key` guards the /v1 routes."""
+    """The app for one served model; `api_key` guards the /v1 routes;
+    `log_stats`: force a stats log every `FORCE_LOG_INTERVAL_S` while it
+    runs (see `_force_log`)."""
     engine = served.engine
     completion = OpenAIServingCompletion(served)
     chat = OpenAIServingChat(served)
@@ -99,7 +109,13 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.do_log_stats()  # every gauge shows from the start
-        yield
+        force_log = asyncio.create_task(_force_log(engine), name="force_log") if log_stats else None
+        try:
+            yield
+        finally:
+            if force_log is not None:  # gone before the engine, whatever happened
+                force_log.cancel()
+                await asyncio.gather(force_log, return_exceptions=True)
         engine.shutdown()
 
     app = FastAPI(title="minivllm OpenAI-compatible server", lifespan=lifespan)
@@ -156,6 +172,15 @@ def build_app(
     if api_key:  # added last, so it runs first; it lets preflights (OPTIONS) through
         _require_api_key(app, api_key)
     return app
+
+
+async def _force_log(engine: EngineClient) -> None:
+    """vLLM's server task: `do_log_stats` every few seconds, so that the
+    throughput line and the gauges also move when no step runs (an idle
+    server would otherwise keep showing its last busy step)."""
+    while True:
+        await asyncio.sleep(FORCE_LOG_INTERVAL_S)
+        await engine.do_log_stats()
 
 
 def _error(error: OpenAIError) -> JSONResponse:
@@ -262,7 +287,7 @@ def init_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         response_role=args.response_role,
     )
     return build_app(served, api_key=args.api_key or envs.MINIVLLM_API_KEY,
-                     cors=CorsOptions.from_cli_args(args))
+                     cors=CorsOptions.from_cli_args(args), log_stats=not args.disable_log_stats)
 
 
 @asynccontextmanager

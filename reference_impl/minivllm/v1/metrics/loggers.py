@@ -15,16 +15,20 @@ What V1 feeds, metric by metric (engine/metrics.py has the names):
     vllm:gpu_cache_usage_perc               SchedulerStats.kv_cache_usage
     vllm:gpu_prefix_cache_hit_rate          PrefixCacheStats, summed since the start (in
                                             tokens; the classic engine counts blocks;
-                                            resumed requests' lookups left out)
+                                            resumed requests' lookups left out); -1
+                                            with prefix caching off, as v0.6
     vllm:num_preemptions_total              SchedulerStats.num_preempted_reqs
     vllm:prompt_tokens_total                each request's prompt length when its first
                                             token comes (vLLM V1's rule; the classic
                                             engine counts prompt tokens computed, so a
                                             prefix-cache hit counts here, not there; with
                                             n > 1 every child request counts its prompt)
-    vllm:generation_tokens_total, vllm:time_to_first_token_seconds,
-    vllm:time_per_output_token_seconds, vllm:e2e_request_latency_seconds,
-    vllm:request_success_total               from the RequestOutputs, as on the classic engine
+    vllm:generation_tokens_total            IterationStats: the new tokens of the outputs
+    vllm:request_success_total,             each finished request's output: one per
+    vllm:e2e_request_latency_seconds        completion by finish_reason, one latency
+    vllm:time_to_first_token_seconds,       from the RequestOutputs, as on the classic
+    vllm:time_per_output_token_seconds      engine, each engine-core request on its own
+                                            (with n > 1, each child: vLLM V1's rule)
     vllm:num_requests_swapped, vllm:cpu_cache_usage_perc
                                             always 0: V1 never swaps (it preempts by
                                             recompute) and has no CPU block pool
@@ -39,7 +43,7 @@ core had is finished or aborted, so the manager records an idle scheduler
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from minivllm.engine.metrics import StatLogger, Stats
 from minivllm.engine.protocol import StepStatLogger
@@ -51,13 +55,16 @@ LOG_INTERVAL_S = 5.0
 
 
 class StatLoggerManager:
-    """Every stat logger of one `AsyncLLM`, and what it needs to build the
-    classic `Stats`: the prefix-cache totals and the last step's state.
-    `log_stats`: also print vLLM's throughput line every few seconds."""
+    """Every stat logger of one V1 engine (`AsyncLLM`, or `LLMEngine` with
+    `log_stats`), and what it needs to build the classic `Stats`: the
+    prefix-cache totals and the last step's state. `log_stats`: also print
+    vLLM's throughput line every few seconds. `enable_prefix_caching`: the
+    engine's, so the hit rate reads -1 without a cache (v0.6's rule)."""
 
-    def __init__(self, log_stats: bool = False) -> None:
+    def __init__(self, log_stats: bool = False, enable_prefix_caching: bool = False) -> None:
         self.stat_loggers: dict[str, StepStatLogger] = {}
         self.log_line = StatLogger(log_interval=LOG_INTERVAL_S, enabled=log_stats)
+        self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.last_stats = self._idle_stats()
@@ -73,17 +80,21 @@ class StatLoggerManager:
     # -- building the classic Stats --------------------------------------------------
 
     def make_stats(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats,
+        request_outputs: Sequence[RequestOutput] = (),
     ) -> Stats:
         """One step's `Stats`: the scheduler's state after it, the tokens of
-        its outputs. Without SchedulerStats, the last step's state."""
+        its outputs, the requests its outputs finished. Without
+        SchedulerStats, the last step's state."""
         if scheduler_stats is not None:
             prefix = scheduler_stats.prefix_cache_stats
             if prefix is not None:
                 self.prefix_cache_queries += prefix.queries
                 self.prefix_cache_hits += prefix.hits
         last = self.last_stats
-        return Stats(
+        stats = Stats(
             now=time.time(),
             num_running=last.num_running if scheduler_stats is None
             else scheduler_stats.num_running_reqs,
@@ -98,7 +109,12 @@ class StatLoggerManager:
             num_preemptions=0 if scheduler_stats is None else scheduler_stats.num_preempted_reqs,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_generation_tokens=iteration_stats.num_generation_tokens,
         )
+        for output in request_outputs:
+            add_finished_request(stats, output)
+        return stats
 
     def _idle_stats(self) -> Stats:
         return Stats(
@@ -113,6 +129,7 @@ class StatLoggerManager:
             num_preemptions=0,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
     # -- recording ---------------------------------------------------------------------
@@ -123,9 +140,12 @@ class StatLoggerManager:
         iteration_stats: IterationStats,
         request_outputs: Iterable[RequestOutput],
     ) -> None:
-        """One step's news, to every logger."""
-        stats = self.make_stats(scheduler_stats, iteration_stats)
-        self._log(stats, last_per_request(request_outputs))
+        """One step's news, to every logger: every output the step made (a
+        request with n > 1 makes one per child that moved, each the
+        parent's cumulative output; only the last child's is finished)."""
+        request_outputs = list(request_outputs)
+        stats = self.make_stats(scheduler_stats, iteration_stats, request_outputs)
+        self._log(stats, request_outputs)
 
     def record_idle(self) -> None:
         """No request is left anywhere: show an empty scheduler (see the
@@ -137,7 +157,8 @@ class StatLoggerManager:
         last = self.last_stats
         current = Stats(
             **{**vars(last), "now": time.time(), "num_prefill_tokens": 0,
-               "num_decode_tokens": 0, "num_preemptions": 0}
+               "num_decode_tokens": 0, "num_generation_tokens": 0, "num_preemptions": 0,
+               "finished_reasons": [], "time_e2e_requests": []}
         )
         self._log(current, [])
 
@@ -148,13 +169,14 @@ class StatLoggerManager:
             stat_logger.log(stats, request_outputs)
 
 
-def last_per_request(request_outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
-    """The newest output of each request, in order. A request with n > 1
-    runs as n child requests, each of whose outputs is the parent's
-    (cumulative) output: keep one a step, as the classic engine makes one
-    a step, so each step counts once in the per-token latency."""
-    newest: dict[str, RequestOutput] = {}
-    for output in request_outputs:
-        newest.pop(output.request_id, None)
-        newest[output.request_id] = output
-    return list(newest.values())
+def add_finished_request(stats: Stats, output: RequestOutput) -> None:
+    """A request this step finished (not aborted) counts in `stats`: one
+    finish reason per completion, and its latency from arrival."""
+    if not output.finished or output.metrics is None:
+        return
+    reasons = [completion.finish_reason for completion in output.outputs]
+    if "abort" in reasons:
+        return
+    stats.finished_reasons += reasons
+    stats.time_e2e_requests.append(output.metrics.finished_time - output.metrics.arrival_time)
+

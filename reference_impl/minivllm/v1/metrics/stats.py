@@ -3,7 +3,12 @@ core's `SchedulerStats`, and the front end's `IterationStats` of the outputs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.v1.engine import EngineCoreOutput
 
 
 @dataclass
@@ -70,3 +75,22 @@ class IterationStats:
         self.num_generation_tokens += num_new_tokens
         if is_prefilling and num_new_tokens:
             self.num_prompt_tokens += prompt_len
+
+
+def iteration_stats_of(
+    outputs: Iterable[EngineCoreOutput], request_states: Mapping
+) -> IterationStats:
+    """The front end's token counts of one step's engine-core outputs, read
+    before the OutputProcessor takes them (vLLM counts them inside it): a
+    request whose state has no first token yet is prefilling; one with no
+    state was aborted meanwhile and is not counted."""
+    stats = IterationStats()
+    for output in outputs:
+        state = request_states.get(output.request_id)
+        if state is not None:
+            stats.update_from_output(
+                len(output.new_token_ids),
+                state.metrics.first_token_time is None,
+                len(state.prompt_token_ids),
+            )
+    return stats
