@@ -187,7 +187,8 @@ def test_concurrent_generate_gives_the_llm_outputs(async_llm, loop, expected):
     results = loop.run_until_complete(run())
     assert [summary(outputs[-1]) for outputs in results] == expected
     assert [outputs[-1].request_id for outputs in results] == ["c0", "c1", "c2"]
-    assert not async_llm.request_queues and not async_llm.output_processor.request_states
+    assert not async_llm.output_processor.request_states
+    assert not async_llm.output_processor.external_req_ids
 
 
 def test_streaming_yields_growing_outputs_then_a_finished_one(async_llm, loop):
@@ -216,8 +217,8 @@ def test_cancelling_a_generator_aborts_its_request(async_llm, loop, expected):
         assert summary(other[-1]) == expected[0]
         # ...and the victim is gone from both ends: the prefix cache can only
         # be reset when no request holds a block in the engine core.
-        assert "victim" not in async_llm.output_processor.request_states
-        assert not async_llm.request_queues
+        assert "victim" not in async_llm.output_processor.external_req_ids
+        assert not async_llm.output_processor.request_states
         assert await async_llm.engine_core.reset_prefix_cache_async() is True
 
     loop.run_until_complete(run())

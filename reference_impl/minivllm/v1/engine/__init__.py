@@ -28,7 +28,12 @@ class FinishReason(enum.IntEnum):
 
 @dataclass
 class EngineCoreRequest:
-    """A request after the front end tokenized and checked it."""
+    """A request after the front end tokenized and checked it.
+
+    `request_id` is the engine's own (internal) id, unique among the
+    requests the engine core may still hold; `external_req_id` is the id the
+    user gave, which every `RequestOutput` carries (set by
+    `InputProcessor.assign_request_id`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,6 +41,7 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    external_req_id: str | None = None
 
 
 @dataclass

@@ -5,18 +5,25 @@ The classic `AsyncLLMEngine` steps an `LLMEngine` from a background task.
 own process (`EngineCoreProc`, always: `AsyncMPClient`), and this process
 only does the front end's work, on the event loop:
 
-    generate():      InputProcessor -> OutputProcessor state + a queue for
-                     the request -> add_request_async to the engine core;
-                     then yield from the request's queue until finished.
+    generate():      InputProcessor (an internal id) -> OutputProcessor
+                     state with a queue for the request -> add_request_async
+                     to the engine core; then yield from the queue until
+                     finished.
     output_handler:  one task: get_output_async (a step's token ids)
-                     -> OutputProcessor (text, stop strings) -> each
-                     RequestOutput into its request's queue; requests a
+                     -> OutputProcessor (text, stop strings; each
+                     RequestOutput into its request's queue); requests a
                      stop string ended are aborted in the engine core.
 
 So tokenizing and detokenizing overlap the model's forward pass instead of
 waiting for it. A generator closed or cancelled early aborts its request,
 in the OutputProcessor and in the engine core. If the engine core dies,
 every waiting generator, and every later call, raises `EngineDeadError`.
+
+The engine core runs ahead: when the front end ends a request (a stop
+string, an abort), outputs of the steps it already ran are on their way.
+So each request has an internal id, the user's plus a random suffix
+(`InputProcessor.assign_request_id`): a new request reusing a user's id
+never receives them. Outputs carry the user's id; `abort` takes it.
 
 It is the server's `EngineClient` (engine/protocol.py) on V1, as the
 classic `AsyncLLMEngine` is on the classic engine: `minivllm serve
@@ -39,48 +46,19 @@ from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.transformers_utils.tokenizer import get_tokenizer
+from minivllm.v1.engine import EngineCoreRequest
 from minivllm.v1.engine.core_client import AsyncMPClient, EngineCoreClient
 from minivllm.v1.engine.input_processor import InputProcessor
 from minivllm.v1.engine.llm_engine import check_v1_config
-from minivllm.v1.engine.output_processor import OutputProcessor, fan_out
+from minivllm.v1.engine.output_processor import (
+    OutputProcessor,
+    RequestOutputCollector,
+    fan_out,
+)
 from minivllm.v1.metrics.loggers import StatLoggerManager
 from minivllm.v1.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
-
-
-class RequestOutputCollector:
-    """One request's outputs, from the output handler to its generator
-    (vLLM's name). Outputs are cumulative, so if the generator falls behind
-    only the newest is kept: a slow reader skips outputs, never text. An
-    exception takes the place of any output and is raised to the reader."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.output: RequestOutput | BaseException | None = None
-        self.ready = asyncio.Event()
-
-    def put(self, output: RequestOutput | BaseException) -> None:
-        if self.output is None or isinstance(output, BaseException):
-            self.output = output
-        elif not isinstance(self.output, BaseException):
-            self.output = output  # newer and cumulative: replaces the unread one
-        self.ready.set()
-
-    async def get(self) -> RequestOutput:
-        while self.output is None:
-            await self.ready.wait()
-        return self._take()
-
-    def get_nowait(self) -> RequestOutput | None:
-        return None if self.output is None else self._take()
-
-    def _take(self) -> RequestOutput:
-        output, self.output = self.output, None
-        self.ready.clear()
-        if isinstance(output, BaseException):
-            raise output
-        return output
 
 
 class AsyncLLM(EngineClient):
@@ -98,13 +76,13 @@ class AsyncLLM(EngineClient):
         self.engine_core: AsyncMPClient = EngineCoreClient.make_client(
             multiprocess_mode=True, asyncio_mode=True, engine_config=engine_config
         )
-        # Per request (the parent's id for n > 1): where its outputs go.
-        self.request_queues: dict[str, RequestOutputCollector] = {}
         self.output_handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         # Shown every step's stats (the server's Prometheus logger); with
         # log_stats, also vLLM's periodic throughput line.
-        self.stat_loggers = StatLoggerManager(log_stats)
+        self.stat_loggers = StatLoggerManager(
+            log_stats, engine_config.cache_config.enable_prefix_caching
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs | EngineArgs) -> AsyncLLM:
@@ -167,18 +145,34 @@ class AsyncLLM(EngineClient):
         priority: int = 0,
     ) -> RequestOutputCollector:
         """Check the request and send it to the engine core; returns where
-        its outputs will arrive. `n > 1` becomes n child requests."""
+        its outputs will arrive. `n > 1` becomes n child requests. Another
+        live request may have the same `request_id` (as in vLLM)."""
         if self.errored:
             raise self.dead_error
         prompt_text, request = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority, set(self.request_queues)
+            request_id, prompt, params, arrival_time, priority
         )
-        queue = self.request_queues[request_id] = RequestOutputCollector(request_id)
+        self.input_processor.assign_request_id(request, None)  # the core is apart
         self._run_output_handler()
-        for child, parent, index in fan_out(request):
-            self.output_processor.add_request(child, prompt_text, parent, index)
-            await self.engine_core.add_request_async(child)
+        queue = RequestOutputCollector(request.request_id)
+        await self._add_fanned_out(request, prompt_text, queue)
         return queue
+
+    async def _add_fanned_out(
+        self, request: EngineCoreRequest, prompt: str | None, queue: RequestOutputCollector
+    ) -> None:
+        """The request's children to the OutputProcessor and the engine
+        core. Undone if anything fails or the caller is cancelled part-way:
+        children already sent would otherwise run for no one."""
+        try:
+            for child, parent, index in fan_out(request):
+                self.output_processor.add_request(child, prompt, parent, index, queue)
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            aborted = self.output_processor.abort_requests([request.request_id], internal=True)
+            if not self.errored:
+                await self.engine_core.abort_requests_async(aborted)
+            raise
 
     async def generate(
         self,
@@ -189,7 +183,8 @@ class AsyncLLM(EngineClient):
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yields its cumulative `RequestOutput` as steps
         produce them, the last with `finished` set. Closing the generator
-        early (or cancelling the task reading it) aborts the request."""
+        early (or cancelling the task reading it) aborts the request: this
+        one, by its internal id, not another that shares its `request_id`."""
         queue: RequestOutputCollector | None = None
         try:
             queue = await self.add_request(request_id, prompt, sampling_params, priority=priority)
@@ -199,29 +194,24 @@ class AsyncLLM(EngineClient):
                 output = queue.get_nowait() or await queue.get()
                 finished = output.finished
                 yield output
-        except (asyncio.CancelledError, GeneratorExit):
-            if queue is not None:
-                await self.abort(request_id)
-            raise
         except EngineDeadError:
             raise
-        except ValueError:  # refused by the InputProcessor: nothing was queued
-            raise
-        except Exception:
-            await self.abort(request_id)
+        except BaseException:
+            # Cancelled, closed, or failed; nothing to do if add_request
+            # refused it (it undoes what it did) or it was aborted already.
+            if queue is not None:
+                await self.abort(queue.request_id, internal=True)
             raise
 
-    async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests (and, for a parent id, its children) in the
+    async def abort(self, request_id: str | list[str], internal: bool = False) -> None:
+        """Abort every live request with a user's id given (`internal`: the
+        engine's own ids; a parent's means its children) in the
         OutputProcessor and the engine core. No final output is made: a
         generator still reading raises asyncio.CancelledError, as with the
         classic AsyncLLMEngine. Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            queue = self.request_queues.pop(rid, None)
-            if queue is not None:
-                queue.put(asyncio.CancelledError())
-        await self.engine_core.abort_requests_async(self.output_processor.abort_requests(ids))
+        aborted = self.output_processor.abort_requests(ids, internal)
+        await self.engine_core.abort_requests_async(aborted)
         if not self.output_processor.has_unfinished_requests():
             self.stat_loggers.record_idle()  # the engine core may not step again to say so
 
@@ -234,9 +224,7 @@ class AsyncLLM(EngineClient):
         if self.output_handler is not None:
             return
         self.output_handler = asyncio.get_running_loop().create_task(
-            output_handler(
-                self.engine_core, self.output_processor, self.request_queues, self.stat_loggers
-            ),
+            output_handler(self.engine_core, self.output_processor, self.stat_loggers),
             name="AsyncLLM.output_handler",
         )
 
@@ -245,7 +233,7 @@ class AsyncLLM(EngineClient):
         self.engine_core.shutdown()
         error = self.engine_core.resources.dead_error()
         self._dead_error = self._dead_error or error
-        propagate_error(self.request_queues, error)
+        self.output_processor.propagate_error(error)
         if self.output_handler is not None and not self.output_handler.done():
             self.output_handler.cancel()
 
@@ -253,27 +241,17 @@ class AsyncLLM(EngineClient):
 async def output_handler(
     engine_core: AsyncMPClient,
     output_processor: OutputProcessor,
-    request_queues: dict[str, RequestOutputCollector],
     stat_loggers: StatLoggerManager,
 ) -> None:
     try:
         while True:
             outputs = await engine_core.get_output_async()
             iteration_stats = make_iteration_stats(outputs.outputs, output_processor)
+            # Each RequestOutput goes into its request's queue; outputs of
+            # requests ended meanwhile (by internal id) are dropped.
             processed = output_processor.process_outputs(outputs.outputs)
-            for request_output in processed.request_outputs:
-                rid = request_output.request_id
-                queue = (
-                    request_queues.pop(rid, None)
-                    if request_output.finished
-                    else request_queues.get(rid)
-                )
-                if queue is not None:
-                    queue.put(request_output)
             await engine_core.abort_requests_async(processed.reqs_to_abort)
-            stat_loggers.record(
-                outputs.scheduler_stats, iteration_stats, processed.request_outputs
-            )
+            stat_loggers.record(outputs.scheduler_stats, iteration_stats, processed.request_outputs)
             if processed.reqs_to_abort and not output_processor.has_unfinished_requests():
                 stat_loggers.record_idle()  # stopped by a string: the core counts it running
     except Exception as error:
@@ -285,7 +263,7 @@ async def output_handler(
                 f"AsyncLLM's output handler failed: {type(error).__name__}: {error}"
             )
             error = engine_core.resources.dead_error()
-        propagate_error(request_queues, error)
+        output_processor.propagate_error(error)
 
 
 def make_iteration_stats(outputs, output_processor: OutputProcessor) -> IterationStats:
@@ -302,10 +280,3 @@ def make_iteration_stats(outputs, output_processor: OutputProcessor) -> Iteratio
                 len(state.prompt_token_ids),
             )
     return stats
-
-
-def propagate_error(request_queues: dict[str, RequestOutputCollector], error: Exception) -> None:
-    """Every waiting generator raises `error`."""
-    for queue in request_queues.values():
-        queue.put(error)
-    request_queues.clear()

@@ -179,7 +179,10 @@ class BackgroundResources:
 
     def _close_async(self) -> None:
         """zmq.asyncio sockets and the output task belong to their event
-        loop: close them there (now, if this is that loop's thread)."""
+        loop: close them there, or now if this is that loop's thread or the
+        loop is not running (between `run_until_complete` calls: left for it,
+        they would stay open, and the context's `term()` when collected
+        would then block forever)."""
         task, sockets = self.output_queue_task, (self.input_socket, self.output_socket)
         ctx = self.ctx
 
@@ -192,7 +195,7 @@ class BackgroundResources:
             ctx.term()
 
         loop = task.get_loop() if task is not None else None
-        if loop is None or loop.is_closed() or _in_loop(loop):
+        if loop is None or not loop.is_running() or _in_loop(loop):  # closed: not running
             close_sockets_and_tasks()
         else:
             loop.call_soon_threadsafe(close_sockets_and_tasks)

@@ -4,17 +4,29 @@
 It runs in the front end, so the engine core never sees text: tokenizing
 is off its busy loop, and a refused request never reaches it. The checks
 are the classic engine's (inputs/preprocess.py) plus V1's own.
+
+It also names requests for the engine (`assign_request_id`): the user's id
+becomes `external_req_id`, and the request gets an internal id no request
+the engine core may still hold has. The user's id cannot be that id: with
+the engine core in its own process, outputs of a request the front end
+has already ended (a stop string, an abort) are still on their way when a
+new request reuses its id, and an `n > 1` request's children ("0_x", "1_x")
+may share a user's id. So two live requests may share a user's id, as in
+vLLM.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+import uuid
+from collections.abc import Callable
 
 from minivllm.config import EngineConfig
 from minivllm.inputs import InputPreprocessor, PromptType, get_eos_token_ids
 from minivllm.sampling_params import SamplingParams
 from minivllm.v1.engine import EngineCoreRequest
+from minivllm.v1.engine.output_processor import child_request_id
 
 
 class InputProcessor:
@@ -33,11 +45,13 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None,
         priority: int,
-        live_request_ids: set[str],
     ) -> tuple[str | None, EngineCoreRequest]:
-        """(the prompt's text, if any; the request for the engine core)."""
+        """(the prompt's text, if any; the request for the engine core, still
+        under the user's id: see `assign_request_id`)."""
+        # No live id is refused (the classic engine refuses one): ids are
+        # made unique by assign_request_id.
         prompt_text, prompt_token_ids = self.input_preprocessor.validate_request(
-            request_id, prompt, params, arrival_time, priority, live_request_ids
+            request_id, prompt, params, arrival_time, priority, set()
         )
         max_len = self.model_config.max_model_len
         if len(prompt_token_ids) == max_len:
@@ -74,3 +88,33 @@ class InputProcessor:
             priority=int(priority),
         )
         return prompt_text, request
+
+    @staticmethod
+    def assign_request_id(
+        request: EngineCoreRequest, is_request_active: Callable[[str], bool] | None
+    ) -> None:
+        """Move the user's id to `external_req_id` and give the request an
+        internal id: the user's, plus "-" and 8 random hex digits when it
+        might clash. `is_request_active` tells which internal ids are live;
+        it is given when the engine core runs in this process, which then
+        holds exactly the front end's live requests: a free id (and, for
+        n > 1, free child ids) is kept as it is, so the scheduler, the
+        tracer and a debugger show the user's ids. None (the core in its own
+        process, where an ended request's outputs may still be on their
+        way): always a suffix, as vLLM always adds one."""
+        if request.external_req_id is not None:
+            raise ValueError(
+                f"Request {request.request_id!r}: external_req_id is set by the engine; "
+                "give the user's id as request_id"
+            )
+        request.external_req_id = request_id = request.request_id
+        if is_request_active is None or any(map(is_request_active, _core_ids(request))):
+            request.request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def _core_ids(request: EngineCoreRequest) -> list[str]:
+    """The ids `request` would hold in the front end and the engine core:
+    its own (an n > 1 parent's in the front end) and its children's."""
+    n = request.sampling_params.n
+    children = [child_request_id(i, request.request_id) for i in range(n)] if n > 1 else []
+    return [request.request_id, *children]

@@ -2,7 +2,8 @@
 engine's interface (`add_request`, `step`, `abort_request`) over V1's split:
 
     add_request: InputProcessor (tokenize, check) -> EngineCoreRequest
-                 -> OutputProcessor (a RequestState) and the engine core
+                 under an internal id -> OutputProcessor (a RequestState)
+                 and the engine core
     step:        engine core step (schedule, execute, update) -> token ids
                  -> OutputProcessor (text, stop strings) -> RequestOutputs
 
@@ -15,6 +16,10 @@ step) or, with `multiprocess_mode=True` or
 MINIVLLM_ENABLE_V1_MULTIPROCESSING=1, in a process of its own
 (`SyncMPClient`: it steps on its own and `step` takes the next outputs;
 its death, a SIGKILL say, is an `EngineDeadError` here).
+
+Outputs carry the user's request id; the engine core knows each request by
+an internal one (`InputProcessor.assign_request_id`): the user's id when it
+is free and the engine core is in this process, else with a random suffix.
 
 Tools watch the steps through step observers (v1/engine/step_observer.py);
 the tracer's V1 writer (v1/engine/trace_writer.py) is one: `trace=PATH`,
@@ -35,13 +40,20 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.transformers_utils.tokenizer import get_tokenizer
 from minivllm.utils import check_bool
-from minivllm.v1.engine import EngineCoreOutputs
+from minivllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from minivllm.v1.engine.core import get_scheduler_cls
 from minivllm.v1.engine.core_client import EngineCoreClient, InprocClient
 from minivllm.v1.engine.input_processor import InputProcessor
-from minivllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutput, fan_out
+from minivllm.v1.engine.output_processor import (
+    OutputProcessor,
+    OutputProcessorOutput,
+    ParentRequest,
+    fan_out,
+)
 from minivllm.v1.engine.step_observer import V1StepObserver, V1StepRecord, queue_request_ids
 from minivllm.v1.engine.trace_writer import V1TraceWriter
+from minivllm.v1.metrics.loggers import StatLoggerManager
+from minivllm.v1.metrics.stats import iteration_stats_of
 
 
 def check_v1_config(engine_config: EngineConfig) -> None:
@@ -114,12 +126,18 @@ class LLMEngine:
             asyncio_mode=False,
             engine_config=engine_config,
         )
-        self._live_request_ids: set[str] = set()
+        self.multiprocess_mode = multiprocess_mode
         self.dead_error: BaseException | None = None
         # Totals over the engine's life, from each step's SchedulerStats
         # (the benchmarks read them; vLLM's stat loggers keep the like).
         self.total_scheduled_tokens = 0
         self.total_preemptions = 0
+        # With log_stats, every step is recorded and vLLM's throughput line
+        # logged every few seconds (vLLM's `logger_manager`).
+        self.stat_loggers: StatLoggerManager | None = None
+        if log_stats:
+            caching = engine_config.cache_config.enable_prefix_caching
+            self.stat_loggers = StatLoggerManager(log_stats, caching)
         self.step_observers: list[V1StepObserver] = []
         # Outputs of a step whose observer raised: the next step returns them.
         self._undelivered: list[RequestOutput] = []
@@ -153,37 +171,70 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
-    ) -> None:
-        """Check and queue a request; `n > 1` becomes n child requests."""
+    ) -> str:
+        """Check and queue a request; `n > 1` becomes n child requests.
+        Returns its internal id (as vLLM's does). Another live request may
+        have the same `request_id`. An add that fails part-way (an observer
+        that raises, a dead engine core) leaves nothing of the request."""
         self._check_alive()
         prompt_text, request = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority, self._live_request_ids
+            request_id, prompt, params, arrival_time, priority
         )
-        self._live_request_ids.add(request_id)
-        for child, parent, index in fan_out(request):
-            self.output_processor.add_request(child, prompt_text, parent, index)
-            try:
-                self.engine_core.add_request(child)
-            except EngineDeadError as exc:  # the engine core's process is gone
-                self.dead_error = exc
-                raise
-            for observer in self.step_observers:
-                observer.on_add_request(self, child.request_id)
+        # In this process the engine core holds exactly the front end's live
+        # requests; in its own, outputs of ended ones may still be on their way.
+        in_use = None if self.multiprocess_mode else self.output_processor.is_request_active
+        self.input_processor.assign_request_id(request, in_use)
+        try:
+            for child, parent, index in fan_out(request):
+                self._add_child(child, prompt_text, parent, index)
+        except BaseException:
+            aborted = self.output_processor.abort_requests([request.request_id], internal=True)
+            if self.dead_error is None:
+                self.engine_core.abort_requests(aborted)
+            raise
+        return request.request_id
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        """Drop requests now (no final output, as vLLM V1). Ids unknown or
-        finished are ignored; on a dead engine this does nothing."""
+    def _add_child(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent: ParentRequest | None,
+        index: int,
+    ) -> None:
+        """One request the engine core runs: to the front end, the engine
+        core, then the observers (which read it in the engine core)."""
+        self.output_processor.add_request(request, prompt, parent, index)
+        try:
+            self.engine_core.add_request(request)
+        except EngineDeadError as exc:  # the engine core's process is gone
+            self.dead_error = exc
+            raise
+        for observer in self.step_observers:
+            observer.on_add_request(self, request.request_id)
+
+    def abort_request(self, request_id: str | list[str], internal: bool = False) -> None:
+        """Drop requests now (no final output, as vLLM V1): every live
+        request with a user's id given (`internal`: the engine's ids, as
+        `add_request` returns them). Ids unknown or finished are ignored; on
+        a dead engine this does nothing."""
         if self.dead_error is not None:
             return
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
-        self._live_request_ids.difference_update(ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids, internal))
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests() or bool(self._undelivered)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._live_request_ids)
+        """Requests not finished, as the classic engine counts them: one for
+        a request with n > 1."""
+        return self.output_processor.get_num_unfinished_user_requests()
+
+    @property
+    def _live_request_ids(self) -> set[str]:
+        """The users' ids of the live requests: the classic engine's set of
+        the same name, which tests read on either engine."""
+        return set(self.output_processor.external_req_ids)
 
     # -- the step -------------------------------------------------------------
 
@@ -210,9 +261,6 @@ class LLMEngine:
             self.dead_error = exc
             self.engine_core.shutdown()
             raise
-        for output in processed.request_outputs:
-            if output.finished:
-                self._live_request_ids.discard(output.request_id)
         request_outputs = self._undelivered + processed.request_outputs
         self._undelivered = []
         if record is not None:
@@ -228,11 +276,19 @@ class LLMEngine:
 
     def _process_outputs(self, outputs: EngineCoreOutputs) -> OutputProcessorOutput:
         """The front end's half of a step: text, stop strings, stats."""
+        iteration_stats = None
+        if self.stat_loggers is not None:  # before the processor marks first tokens
+            states = self.output_processor.request_states
+            iteration_stats = iteration_stats_of(outputs.outputs, states)
         processed = self.output_processor.process_outputs(outputs.outputs)
         if outputs.scheduler_stats is not None:
             self.total_scheduled_tokens += outputs.scheduler_stats.num_scheduled_tokens
             self.total_preemptions += outputs.scheduler_stats.num_preempted_reqs
         self.engine_core.abort_requests(processed.reqs_to_abort)
+        if iteration_stats is not None:
+            self.stat_loggers.record(
+                outputs.scheduler_stats, iteration_stats, processed.request_outputs
+            )
         return processed
 
     def _observed_step(self) -> tuple[OutputProcessorOutput, V1StepRecord]:

@@ -7,11 +7,19 @@ detokenizes, finds stop strings (those requests must also be aborted in
 the core: `reqs_to_abort`), and makes a `RequestOutput` for every request
 that changed. A request with `n > 1` was split into `n` child requests
 (`ParentRequest`); their outputs are merged back into one here.
+
+Requests are kept by their internal ids (those the engine core knows), and
+by the user's id (`external_req_ids`), which every `RequestOutput` carries
+and by which a user aborts. For `AsyncLLM` each request's outputs go
+straight into its `RequestOutputCollector`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -22,16 +30,58 @@ from minivllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from minivllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 
+class RequestOutputCollector:
+    """One request's outputs, from the output handler to its generator
+    (vLLM's name). Outputs are cumulative, so if the generator falls behind
+    only the newest is kept: a slow reader skips outputs, never text. An
+    exception takes the place of any output and is raised to the reader."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id  # the internal id (a parent's for n > 1)
+        self.output: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        if self.output is None or isinstance(output, BaseException):
+            self.output = output
+        elif not isinstance(self.output, BaseException):
+            self.output = output  # newer and cumulative: replaces the unread one
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | None:
+        return None if self.output is None else self._take()
+
+    def _take(self) -> RequestOutput:
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    """The internal id of a parent's child `index` (vLLM's naming)."""
+    return f"{index}_{parent_id}"
+
+
 class ParentRequest:
     """A request with `n > 1`: `n` independent child requests (vLLM's
     `vllm/v1/engine/parallel_sampling.py`). Child i is named `"{i}_{id}"`
-    and, if the request is seeded, uses seed + i so the children differ."""
+    after the parent's internal id and, if the request is seeded, uses
+    seed + i so the children differ."""
 
-    def __init__(self, request_id: str, params: SamplingParams) -> None:
-        self.request_id = request_id
-        self.params = params
+    def __init__(self, request: EngineCoreRequest) -> None:
+        assert request.external_req_id is not None, "assign_request_id first"
+        self.request_id = request.request_id
+        self.external_req_id = request.external_req_id
+        self.params = request.sampling_params
         self.completions: dict[int, CompletionOutput] = {}
-        self.num_finished = 0
+        self.child_requests: set[str] = set()  # the children not finished
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         seed = None if self.params.seed is None else self.params.seed + index
@@ -40,11 +90,13 @@ class ParentRequest:
         # EOS ids the input processor added, which the sampler bans before
         # min_tokens.
         params.all_stop_token_ids = set(self.params.all_stop_token_ids)
-        return f"{index}_{self.request_id}", params
+        child_id = child_request_id(index, self.request_id)
+        self.child_requests.add(child_id)
+        return child_id, params
 
     @property
     def finished(self) -> bool:
-        return self.num_finished == self.params.n
+        return not self.child_requests
 
 
 def fan_out(
@@ -54,7 +106,7 @@ def fan_out(
     parent and its index among the parent's n: itself alone when n == 1."""
     if request.sampling_params.n == 1:
         return [(request, None, 0)]
-    parent = ParentRequest(request.request_id, request.sampling_params)
+    parent = ParentRequest(request)
     children = []
     for index in range(parent.params.n):
         child_id, child_params = parent.get_child_info(index)
@@ -65,13 +117,15 @@ def fan_out(
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # internal: the engine core's
+    external_req_id: str  # the user's
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     parent: ParentRequest | None = None
     index: int = 0  # the child's place among its parent's n
+    queue: RequestOutputCollector | None = None  # AsyncLLM's; LLMEngine's step returns them
     cumulative_logprob: float = 0.0
     num_cached_tokens: int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
@@ -79,20 +133,33 @@ class RequestState:
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput]  # every one made (queued ones too)
     reqs_to_abort: list[str]  # stopped by a stop string: abort them in the core
 
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.detokenizer = Detokenizer(tokenizer)
-        self.request_states: dict[str, RequestState] = {}
+        self.request_states: dict[str, RequestState] = {}  # by internal id
+        self.parent_requests: dict[str, ParentRequest] = {}  # by the parent's internal id
+        # The user's id -> the internal ids of its live requests (children for n > 1).
+        self.external_req_ids: defaultdict[str, list[str]] = defaultdict(list)
 
     def get_num_unfinished_requests(self) -> int:
+        """Live requests in the engine core's count: children one by one."""
         return len(self.request_states)
+
+    def get_num_unfinished_user_requests(self) -> int:
+        """Live requests as users count them: a parent and its children once."""
+        singles = sum(state.parent is None for state in self.request_states.values())
+        return singles + len(self.parent_requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+    def is_request_active(self, request_id: str) -> bool:
+        """Whether an internal id is live (a request's, or an n > 1 parent's)."""
+        return request_id in self.request_states or request_id in self.parent_requests
 
     def add_request(
         self,
@@ -100,30 +167,80 @@ class OutputProcessor:
         prompt: str | None,
         parent: ParentRequest | None = None,
         index: int = 0,
+        queue: RequestOutputCollector | None = None,
     ) -> None:
+        assert request.external_req_id is not None, "assign_request_id first"
         if request.request_id in self.request_states:
             raise ValueError(f"Request id {request.request_id!r} is already running")
         params = request.sampling_params
         self.request_states[request.request_id] = RequestState(
             request.request_id,
+            request.external_req_id,
             prompt,
             request.prompt_token_ids,
             params,
             IncrementalDetokenizer(self.detokenizer, params, request.prompt_token_ids),
             parent,
             index,
+            queue,
             metrics=RequestMetrics(request.arrival_time),
         )
+        if parent is not None:
+            self.parent_requests[parent.request_id] = parent
+        self.external_req_ids[request.external_req_id].append(request.request_id)
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget requests (and, for a parent id, its children); returns the
-        ids to abort in the engine core."""
+    def abort_requests(self, request_ids: Iterable[str], internal: bool = False) -> list[str]:
+        """Forget requests; returns the internal ids to abort in the engine
+        core. The ids are users' (every live request given that id), or with
+        `internal` the engine's own (a parent's means its children): the
+        front end aborts its own request that way, not another that shares
+        the user's id. A generator still reading (AsyncLLM) raises
+        asyncio.CancelledError. Unknown or finished ids are ignored."""
         to_abort = []
-        for rid, state in list(self.request_states.items()):
-            if rid in request_ids or (state.parent and state.parent.request_id in request_ids):
-                del self.request_states[rid]
-                to_abort.append(rid)
+        for request_id in self._internal_ids(request_ids, internal):
+            state = self.request_states.get(request_id)
+            if state is None:
+                continue  # finished, or a child already aborted with its parent
+            self._finish_request(state)
+            if state.queue is not None:
+                state.queue.put(asyncio.CancelledError())
+            to_abort.append(request_id)
         return to_abort
+
+    def _internal_ids(self, request_ids: Iterable[str], internal: bool) -> list[str]:
+        """The internal ids of the requests `request_ids` name (see abort_requests)."""
+        ids: list[str] = []
+        for request_id in request_ids:
+            if not internal:
+                ids += self.external_req_ids.get(request_id, [])
+            elif request_id in self.parent_requests:
+                ids += sorted(self.parent_requests[request_id].child_requests)
+            else:
+                ids.append(request_id)
+        return ids
+
+    def _finish_request(self, state: RequestState) -> None:
+        """Drop a finished or aborted request from every map."""
+        del self.request_states[state.request_id]
+        siblings = self.external_req_ids[state.external_req_id]
+        siblings.remove(state.request_id)
+        if not siblings:
+            del self.external_req_ids[state.external_req_id]
+        parent = state.parent
+        if parent is not None:
+            parent.child_requests.discard(state.request_id)
+            if parent.finished:
+                self.parent_requests.pop(parent.request_id, None)
+
+    def propagate_error(self, error: BaseException) -> None:
+        """Every waiting generator raises `error`; every request is dropped
+        (the engine core that held them is gone)."""
+        for state in self.request_states.values():
+            if state.queue is not None:
+                state.queue.put(error)
+        self.request_states.clear()
+        self.parent_requests.clear()
+        self.external_req_ids.clear()
 
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
         now = time.time()
@@ -151,15 +268,18 @@ class OutputProcessor:
                     state.cumulative_logprob += entry[token_id].logprob
             if finish_reason is not None:
                 metrics.finished_time = now
-                del self.request_states[output.request_id]
+                self._finish_request(state)
             request_output = self._make_request_output(state, finish_reason, stop_reason)
-            if request_output is not None:
-                request_outputs.append(request_output)
+            if state.queue is not None:
+                state.queue.put(request_output)
+            request_outputs.append(request_output)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
     def _make_request_output(
         self, state: RequestState, finish_reason: FinishReason | None, stop_reason: int | str | None
-    ) -> RequestOutput | None:
+    ) -> RequestOutput:
+        """The user's view: under the user's id, an n > 1 parent's
+        completions merged."""
         finished = finish_reason is not None
         detok = state.detokenizer
         completion = CompletionOutput(
@@ -176,7 +296,7 @@ class OutputProcessor:
         parent = state.parent
         if parent is None:
             return RequestOutput(
-                state.request_id,
+                state.external_req_id,
                 state.prompt,
                 list(state.prompt_token_ids),
                 None,
@@ -186,9 +306,8 @@ class OutputProcessor:
                 state.num_cached_tokens,
             )
         parent.completions[state.index] = completion
-        parent.num_finished += finished
         return RequestOutput(
-            parent.request_id,
+            parent.external_req_id,
             state.prompt,
             list(state.prompt_token_ids),
             None,

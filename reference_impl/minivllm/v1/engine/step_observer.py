@@ -3,10 +3,12 @@ engine/step_observer.py, for V1's step).
 
 `LLMEngine.add_step_observer` registers an object with two methods:
 `on_add_request(engine, request_id)` once the engine core has queued a
-request (each child of an `n > 1` request apart), and `on_step(engine,
-record)` at the end of every `step()`, with a `V1StepRecord` of what it
-did. The tracer's V1 writer (v1/engine/trace_writer.py) is one. With no
-observer, `step()` takes its plain path: no record, no stopwatch.
+request (each child of an `n > 1` request apart; the id is the engine
+core's, which is the user's unless another live request held it:
+`InputProcessor.assign_request_id`), and `on_step(engine, record)` at the
+end of every `step()`, with a `V1StepRecord` of what it did. The tracer's
+V1 writer (v1/engine/trace_writer.py) is one. With no observer, `step()`
+takes its plain path: no record, no stopwatch.
 
 Observing needs the engine core in this process (`InprocClient`): the
 observed step runs its three phases itself (schedule, execute, update), as

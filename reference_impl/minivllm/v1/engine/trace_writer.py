@@ -11,7 +11,10 @@ requests, the step's prefix-cache lookups in tokens, and phase timings.
 
 A step observer of V1's `LLMEngine` (v1/engine/step_observer.py). Turn it
 on with `LLM(..., use_v1=True, trace="run.jsonl")`, `engine.start_trace`,
-or MINIVLLM_TRACE. It reads the engine core in this process.
+or MINIVLLM_TRACE. It reads the engine core in this process, and names
+requests as the engine core does: by the user's ids ("0_x", "1_x" for the
+children of "x"), but for a request whose id another live request held,
+which has a random suffix (`InputProcessor.assign_request_id`).
 """
 
 from __future__ import annotations
