@@ -3,6 +3,7 @@ loaded through the engine's real loading path."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 
 import pytest
@@ -55,3 +56,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for a module's asyncio tests, closed after them."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def async_llm(loop):
+    """A V1 AsyncLLM on the shipped model (its engine core in a process of
+    its own), shared by a module's tests and shut down after them."""
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(use_v1=True))
+    yield llm
+    llm.shutdown()

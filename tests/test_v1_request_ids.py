@@ -56,20 +56,6 @@ def engine() -> LLMEngine:
     return LLM(use_v1=True).llm_engine
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def async_llm(loop):
-    llm = AsyncLLM.from_engine_args(EngineArgs(use_v1=True))
-    yield llm
-    llm.shutdown()
-
-
 async def collect(llm: AsyncLLM, prompt: str, params: SamplingParams, request_id: str) -> list:
     return [out async for out in llm.generate(prompt, params, request_id)]
 

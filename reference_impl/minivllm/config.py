@@ -9,7 +9,6 @@ reported where it was given, with its name.
 from __future__ import annotations
 
 import enum
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -475,16 +474,5 @@ class EngineConfig:
 
 def default_cpu_kv_cache_bytes() -> int:
     """1 GiB unless MINIVLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, like vLLM's CPU backend."""
-    raw = envs.MINIVLLM_CPU_KVCACHE_SPACE
-    if raw is None:  # unset; set but empty is a mistake, refused below
-        raw = "1"
-    try:
-        gib = float(raw)
-    except ValueError:
-        gib = math.nan
-    if not (math.isfinite(gib) and gib > 0):
-        raise ValueError(
-            "The environment variable MINIVLLM_CPU_KVCACHE_SPACE must be a number of GiB > 0 "
-            f"(the CPU KV-cache size), got {raw!r}"
-        )
+    gib = envs.positive_number("MINIVLLM_CPU_KVCACHE_SPACE", "1", "GiB (the CPU KV-cache size)")
     return int(Fraction(gib) * (1 << 30))  # exact: 1e300 GiB overflows a float

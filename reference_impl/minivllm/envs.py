@@ -82,6 +82,24 @@ def __dir__() -> list[str]:
     return list(ENVIRONMENT_VARIABLES)
 
 
+def positive_number(name: str, default: str, meaning: str) -> float:
+    """The variable `name` as a finite number > 0 (`default` when unset);
+    anything else, an empty value included, is refused naming the variable,
+    what it holds (`meaning`) and the value."""
+    raw = os.environ.get(name)
+    if raw is None:
+        raw = default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(
+            f"The environment variable {name} must be a number of {meaning} > 0, got {raw!r}"
+        )
+    return value
+
+
 def set_numba_num_threads(num_threads: int) -> None:
     """Size Numba's thread pool for this process; only before it starts."""
     os.environ["NUMBA_NUM_THREADS"] = str(num_threads)

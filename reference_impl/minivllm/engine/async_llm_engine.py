@@ -60,7 +60,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -86,19 +85,9 @@ _STOP = object()  # what a stream's queue holds after its last output
 def engine_iteration_timeout_s() -> float:
     """The longest one engine step may run, in seconds:
     MINIVLLM_ENGINE_ITERATION_TIMEOUT_S, or 60 (vLLM's default)."""
-    raw = envs.MINIVLLM_ENGINE_ITERATION_TIMEOUT_S
-    if raw is None:  # unset; set but empty is a mistake, refused below
-        raw = "60"
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(
-            "The environment variable MINIVLLM_ENGINE_ITERATION_TIMEOUT_S must be a number of "
-            f"seconds > 0 (the longest one engine step may run), got {raw!r}"
-        )
-    return seconds
+    return envs.positive_number(
+        "MINIVLLM_ENGINE_ITERATION_TIMEOUT_S", "60", "seconds (the longest one engine step may run)"
+    )
 
 
 class AsyncStream:
