@@ -148,10 +148,15 @@ def _vocab(rank: int) -> dict[str, np.ndarray]:
     head = ParallelLMHead(VOCAB, HIDDEN)
     _load(head, "weight", table)
     logits = LogitsProcessor(VOCAB)(head, _full(3, HIDDEN, seed=12))
+    biased = ParallelLMHead(VOCAB, HIDDEN, bias=True)  # the bias is sharded as the rows are
+    _load(biased, "weight", table)
+    _load(biased, "bias", _full(VOCAB, seed=13))
+    biased_logits = LogitsProcessor(VOCAB)(biased, _full(3, HIDDEN, seed=12))
     return {
         "rows": np.array([embedding.vocab_start_index, embedding.vocab_end_index]),
         "embedded": embedding(ids).numpy(),
         "logits": None if logits is None else logits.numpy(),
+        "biased_logits": None if biased_logits is None else biased_logits.numpy(),
     }
 
 
@@ -166,7 +171,9 @@ def test_vocab_parallel_embedding_and_the_head_gathered_on_the_driver(ranks):
     # Only the driver gets logits, the whole vocabulary without the padding.
     torch.testing.assert_close(torch.from_numpy(ranks[0]["logits"]),
                                F.linear(_full(3, HIDDEN, seed=12), table))
-    assert ranks[1]["logits"] is None
+    torch.testing.assert_close(torch.from_numpy(ranks[0]["biased_logits"]),
+                               F.linear(_full(3, HIDDEN, seed=12), table, _full(VOCAB, seed=13)))
+    assert ranks[1]["logits"] is None and ranks[1]["biased_logits"] is None
 
 
 def _collectives(rank: int) -> dict:

@@ -49,11 +49,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """This rank's rows of the checkpoint's [vocab_size, embedding_dim] table."""
-        if tuple(loaded.shape) != (self.org_vocab_size, self.embedding_dim):
+        """This rank's rows of the checkpoint's [vocab_size, embedding_dim]
+        table, or of an LM head's [vocab_size] bias."""
+        expected = (self.org_vocab_size, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"the embedding has shape {tuple(loaded.shape)} in the checkpoint, the model "
-                f"expects {(self.org_vocab_size, self.embedding_dim)}"
+                f"expects {expected}"
             )
         start = min(self.vocab_start_index, self.org_vocab_size)
         end = min(self.vocab_end_index, self.org_vocab_size)
