@@ -56,7 +56,7 @@ from minivllm.v1.engine.output_processor import (
     fan_out,
 )
 from minivllm.v1.metrics.loggers import StatLoggerManager
-from minivllm.v1.metrics.stats import IterationStats
+from minivllm.v1.metrics.stats import iteration_stats_of
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ async def output_handler(
     try:
         while True:
             outputs = await engine_core.get_output_async()
-            iteration_stats = make_iteration_stats(outputs.outputs, output_processor)
+            iteration_stats = iteration_stats_of(outputs.outputs, output_processor.request_states)
             # Each RequestOutput goes into its request's queue; outputs of
             # requests ended meanwhile (by internal id) are dropped.
             processed = output_processor.process_outputs(outputs.outputs)
@@ -264,19 +264,3 @@ async def output_handler(
             )
             error = engine_core.resources.dead_error()
         output_processor.propagate_error(error)
-
-
-def make_iteration_stats(outputs, output_processor: OutputProcessor) -> IterationStats:
-    """The front end's token counts of one step, read before the
-    OutputProcessor takes the outputs (vLLM counts them inside it): a
-    request with no first token yet is prefilling."""
-    stats = IterationStats()
-    for output in outputs:
-        state = output_processor.request_states.get(output.request_id)
-        if state is not None:  # not aborted meanwhile
-            stats.update_from_output(
-                len(output.new_token_ids),
-                state.metrics.first_token_time is None,
-                len(state.prompt_token_ids),
-            )
-    return stats
