@@ -216,8 +216,13 @@ def test_abort_ends_a_request_and_closing_early_aborts_too(async_llm, loop):
         task = asyncio.create_task(consume(async_llm, PROMPTS[2], LONG, "aborted", started))
         await started.wait()
         await async_llm.abort("aborted")
-        with pytest.raises(asyncio.CancelledError):  # no final output (V1)
-            await task
+        outputs = await task  # ends: a last output, finished as aborted (current vLLM)
+        *before, last = outputs
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert not any(o.finished for o in before)
+        got = list(last.outputs[0].token_ids)
+        assert 1 <= len(got) < LONG.max_tokens
+        assert list(before[-1].outputs[0].token_ids) == got[: len(before[-1].outputs[0].token_ids)]
         gen = async_llm.generate(PROMPTS[0], LONG, "closed")
         await gen.__anext__()
         await gen.aclose()  # GeneratorExit: aborted as well

@@ -115,18 +115,24 @@ def test_reusing_an_id_after_a_stop_string_gets_only_its_own_tokens(async_llm, l
 
 def test_reusing_an_id_after_abort_gets_only_its_own_tokens(async_llm, loop, alone):
     async def run():
-        results = []
+        results, aborted = [], []
         for i in range(3):
             gen = async_llm.generate("Once upon a time", LONG, f"b{i}")
             for _ in range(3):
                 await gen.__anext__()
             await async_llm.abort(f"b{i}")
             results.append(tokens((await collect(async_llm, "The cat", SHORT, f"b{i}"))[-1]))
-            with pytest.raises(asyncio.CancelledError):  # the aborted one: no final output
+            last = await gen.__anext__()  # the aborted one's last output, its own tokens
+            assert last.finished and last.outputs[0].finish_reason == "abort"
+            aborted.append(tokens(last)[0])
+            with pytest.raises(StopAsyncIteration):
                 await gen.__anext__()
-        return results
+        return results, aborted
 
-    assert loop.run_until_complete(run()) == [alone("The cat", SHORT)] * 3
+    results, aborted = loop.run_until_complete(run())
+    assert results == [alone("The cat", SHORT)] * 3
+    full = alone("Once upon a time", LONG)[0]
+    assert all(3 <= len(got) < len(full) and got == full[: len(got)] for got in aborted)
     assert nothing_left_async(async_llm)
 
 

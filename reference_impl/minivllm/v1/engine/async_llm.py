@@ -206,9 +206,11 @@ class AsyncLLM(EngineClient):
     async def abort(self, request_id: str | list[str], internal: bool = False) -> None:
         """Abort every live request with a user's id given (`internal`: the
         engine's own ids; a parent's means its children) in the
-        OutputProcessor and the engine core. No final output is made: a
-        generator still reading raises asyncio.CancelledError, as with the
-        classic AsyncLLMEngine. Unknown or finished ids are ignored."""
+        OutputProcessor and the engine core. A generator still reading
+        gets a last output, finished with finish_reason "abort" and the
+        tokens so far, as in current vLLM (the classic AsyncLLMEngine's
+        raises asyncio.CancelledError, as v0.6's). Unknown or finished ids
+        are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         aborted = self.output_processor.abort_requests(ids, internal)
         await self.engine_core.abort_requests_async(aborted)

@@ -194,8 +194,10 @@ class OutputProcessor:
         core. The ids are users' (every live request given that id), or with
         `internal` the engine's own (a parent's means its children): the
         front end aborts its own request that way, not another that shares
-        the user's id. A generator still reading (AsyncLLM) raises
-        asyncio.CancelledError. Unknown or finished ids are ignored."""
+        the user's id. A generator still reading (AsyncLLM) gets a last
+        output, finished with finish_reason "abort" and the tokens so far,
+        as in current vLLM (`LLMEngine.step` returns none: no one reads a
+        queue there). Unknown or finished ids are ignored."""
         to_abort = []
         for request_id in self._internal_ids(request_ids, internal):
             state = self.request_states.get(request_id)
@@ -203,7 +205,8 @@ class OutputProcessor:
                 continue  # finished, or a child already aborted with its parent
             self._finish_request(state)
             if state.queue is not None:
-                state.queue.put(asyncio.CancelledError())
+                state.metrics.finished_time = time.time()
+                state.queue.put(self._make_request_output(state, FinishReason.ABORT, None))
             to_abort.append(request_id)
         return to_abort
 
