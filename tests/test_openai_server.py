@@ -534,6 +534,9 @@ BAD_FIELDS = [
     ("stream_options", {"include_usage": True}),
     ("skip_special_tokens", "no"),
     ("include_stop_str_in_output", 2),
+    ("cache_salt", ""),
+    ("cache_salt", 5),
+    ("cache_salt", "salt"),  # the classic engine (this module's) refuses any salt
     ("unknown_field", 1),
 ]
 BAD_CHAT_FIELDS = [

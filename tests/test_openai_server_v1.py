@@ -270,6 +270,33 @@ def test_refused_requests_are_400_naming_the_field(server, client, engine):
     assert httpx.get(server.url_for("health")).status_code == 200
 
 
+def test_cache_salt_must_be_a_non_empty_string_and_runs_on_v1_only(server, client, llm, engine):
+    """vLLM's `cache_salt`: refused when empty or not a string, on both
+    engines; the classic engine's add_request refuses any salt (vLLM V0 had
+    none), which shows the field reaches the engine; V1 runs a salted
+    request, completion and chat, with the tokens it gets without a salt."""
+    expect_400(server, {**COMPLETION, "cache_salt": ""}, "cache_salt")
+    expect_400(server, {**COMPLETION, "cache_salt": 5}, "cache_salt")
+    salted = {"cache_salt": "tenant-a"}
+    if engine == "classic":
+        error = expect_400(server, {**COMPLETION, **salted}, "cache_salt")
+        assert "classic engine" in error["message"]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **salted}
+        r = httpx.post(server.url_for("v1", "chat", "completions"), json=chat, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+        return
+    expected = offline(llm, PROMPTS[1], max_tokens=12, temperature=0).outputs[0].text
+    result = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, extra_body=salted
+    )
+    assert result.choices[0].text == expected
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], temperature=0,
+        max_completion_tokens=12, extra_body=salted,
+    )
+    assert chat.choices[0].message.content == expected
+
+
 # -- metrics and disconnects --------------------------------------------------------
 
 METRIC_NAMES = [

@@ -193,6 +193,11 @@ class LLMEngine:
         prompt_text, prompt_token_ids = self.input_preprocessor.validate_request(
             request_id, prompt, params, arrival_time, priority, self._live_request_ids
         )
+        if self.input_preprocessor.cache_salt_of(prompt, request_id) is not None:
+            raise ValueError(
+                f"Request {request_id!r}: cache_salt is not supported by the classic engine "
+                "(vLLM V0 had none); run the V1 engine (use_v1=True)"
+            )
         max_num_seqs = self.scheduler_config.max_num_seqs
         if params.best_of > max_num_seqs:
             raise ValueError(

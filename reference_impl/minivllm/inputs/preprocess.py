@@ -128,14 +128,15 @@ class InputPreprocessor:
         """(text or None, token ids) of a prompt in one of its accepted forms;
         the ids are checked to be integers (numpy's too, not bools)."""
         forms = (
-            "a string, {'prompt_token_ids': [...]} (with an optional 'prompt') or {'prompt': str}"
+            "a string, {'prompt_token_ids': [...]} (with an optional 'prompt') or {'prompt': str}, "
+            "each dict with an optional 'cache_salt'"
         )
         where = f"Request {request_id!r}: "
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, dict):
             raise WrongTypeError(f"{where}prompt must be {forms}, got {show(prompt)}")
-        unknown = sorted(map(str, set(prompt) - {"prompt_token_ids", "prompt"}))
+        unknown = sorted(map(str, set(prompt) - {"prompt_token_ids", "prompt", "cache_salt"}))
         if unknown:
             raise ValueError(f"{where}prompt dict has unknown keys {unknown}: it must be {forms}")
         text = prompt.get("prompt")
@@ -146,6 +147,21 @@ class InputPreprocessor:
                 raise ValueError(f"{where}prompt must be {forms}, got {show(prompt)}")
             return text, self.tokenizer.encode(text)
         return text, self.check_token_ids(prompt["prompt_token_ids"], where)
+
+    @staticmethod
+    def cache_salt_of(prompt: PromptType, request_id: str = "") -> str | None:
+        """The prompt dict's 'cache_salt', checked (vLLM's rule: None, or a
+        non-empty string). Only V1 uses it (kv_cache_utils hashes it into
+        the request's first block); the classic engine refuses it."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is None:
+            return None
+        where = f"Request {request_id!r}: cache_salt must be a non-empty string"
+        if not isinstance(salt, str):
+            raise WrongTypeError(f"{where}, got {show(salt)}")
+        if not salt:
+            raise ValueError(f"{where}, got ''")
+        return salt
 
     @staticmethod
     def check_token_ids(ids: object, where: str) -> list[int]:

@@ -72,6 +72,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         block_hasher: BlockHasher | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -92,6 +93,8 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
 
+        # Hashed into the first block: see kv_cache_utils.generate_block_hash_extra_keys.
+        self.cache_salt = cache_salt
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()
@@ -108,6 +111,7 @@ class Request:
             arrival_time=request.arrival_time,
             priority=request.priority,
             block_hasher=block_hasher,
+            cache_salt=request.cache_salt,
         )
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:

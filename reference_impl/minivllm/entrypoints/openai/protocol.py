@@ -110,8 +110,9 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class SamplingRequest(OpenAIBaseModel):
-    """The fields that become `SamplingParams` (endpoint-specific ones in
-    the subclasses). None means "the default", for every one of them."""
+    """The fields both endpoints share: those that become `SamplingParams`
+    (endpoint-specific ones in the subclasses; None means "the default",
+    for every one of them), and `cache_salt`, which goes with the prompt."""
 
     model: str
     n: int | None = 1
@@ -134,12 +135,29 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: requests share cached prefix blocks only with requests of the
+    # same salt, so one tenant cannot learn from timing whether another
+    # sent a prompt. V1 only (the classic engine refuses it, as vLLM V0).
+    cache_salt: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream=true")
         return self
+
+    @model_validator(mode="after")
+    def _cache_salt_not_empty(self):
+        if self.cache_salt == "":
+            raise ValueError("cache_salt must be a non-empty string if given")
+        return self
+
+    def engine_prompt(self, text: str, token_ids: list[int]) -> dict:
+        """The prompt as the engine takes it, with the request's salt."""
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        return prompt
 
     def _sampling_kwargs(self) -> dict:
         names = (

@@ -58,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{random_uuid()}"
         created = int(time.time())
         results = self.engine.generate(
-            {"prompt": prompt, "prompt_token_ids": prompt_ids}, params, request_id
+            request.engine_prompt(prompt, prompt_ids), params, request_id
         )
         first = await self.first_output(results, request)
         if request.stream:

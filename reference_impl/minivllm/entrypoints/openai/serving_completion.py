@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         results = merge_async_iterators(
             *(
                 self.engine.generate(
-                    {"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}-{i}"
+                    request.engine_prompt(text, ids), params, f"{request_id}-{i}"
                 )
                 for i, (text, ids) in enumerate(prompts)
             )

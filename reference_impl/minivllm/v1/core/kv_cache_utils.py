@@ -4,7 +4,8 @@ Three ideas replace the classic engine's block allocator, evictor and
 per-sequence block tables:
 
 - A full block is named by a **chained hash**: the hash of its parent block's
-  hash, its own token ids and any extra keys (e.g. a LoRA or multimodal id).
+  hash, its own token ids and any extra keys (in vLLM a LoRA or multimodal
+  id; here the request's cache salt, in its first block).
   Equal hashes mean equal tokens at equal positions, so equal K/V.
 - A `KVCacheBlock` knows its reference count and, once full and cached, its
   hash. A block with no references stays cached (findable by hash) until it
@@ -52,7 +53,8 @@ def hash_request_tokens(
 ) -> list[BlockHash]:
     """The chained hashes of every *full* block of `token_ids` (a partial
     last block has none: its K/V is not final until the block fills),
-    the first chained to `parent_block_hash` (None: the request's start)."""
+    the first chained to `parent_block_hash` (None: the request's start),
+    no extra keys: the hashes of a request without a cache salt."""
     hashes: list[BlockHash] = []
     parent = parent_block_hash
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -61,14 +63,32 @@ def hash_request_tokens(
     return hashes
 
 
+def generate_block_hash_extra_keys(request, start_token_idx: int) -> tuple[Any, ...] | None:
+    """What a block's hash needs besides its tokens. vLLM's keys are a LoRA
+    adapter's name, multimodal inputs' hashes, the cache salt and prompt
+    embeddings; minivllm has only the salt. It goes into the request's
+    first block alone: every later hash chains to that one, so a salt
+    changes them all, and requests with different salts (or one with a salt
+    and one without) never share a cached block."""
+    if start_token_idx == 0 and request.cache_salt:
+        return (request.cache_salt,)
+    return None
+
+
 def get_request_block_hasher(block_size: int):
     """A function that hashes the full blocks a request has gained since it
     was last hashed (`Request.update_block_hashes` calls it)."""
 
     def request_block_hasher(request) -> list[BlockHash]:
-        start = len(request.block_hashes) * block_size
+        hashes: list[BlockHash] = []
         parent = request.block_hashes[-1] if request.block_hashes else None
-        return hash_request_tokens(block_size, request.all_token_ids[start:], parent)
+        start = len(request.block_hashes) * block_size
+        for begin in range(start, request.num_tokens - block_size + 1, block_size):
+            tokens = request.all_token_ids[begin : begin + block_size]
+            extra_keys = generate_block_hash_extra_keys(request, begin)
+            parent = hash_block_tokens(parent, tokens, extra_keys)
+            hashes.append(parent)
+        return hashes
 
     return request_block_hasher
 

@@ -40,6 +40,9 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    # Salts the prefix cache's hashes: requests share cached blocks only
+    # with requests of the same salt (a tenant's own, in a shared server).
+    cache_salt: str | None = None
     priority: int = 0
     external_req_id: str | None = None
 

@@ -53,6 +53,7 @@ class InputProcessor:
         prompt_text, prompt_token_ids = self.input_preprocessor.validate_request(
             request_id, prompt, params, arrival_time, priority, set()
         )
+        cache_salt = self.input_preprocessor.cache_salt_of(prompt, request_id)
         max_len = self.model_config.max_model_len
         if len(prompt_token_ids) == max_len:
             # V1 refuses it up front, as vLLM's `_validate_prompt_len` does: a
@@ -85,6 +86,7 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=eos_token_id,
             arrival_time=time.time() if arrival_time is None else float(arrival_time),
+            cache_salt=cache_salt,
             priority=int(priority),
         )
         return prompt_text, request
