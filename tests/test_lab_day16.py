@@ -294,8 +294,8 @@ def _tap(*, getsizeof=False, original_in=False, original_out=False, per_request=
                 self.received.append(len(payload))
             return outputs if original_out else pickle.loads(payload)
 
-        def reset_prefix_cache(self):
-            return self.client.reset_prefix_cache()
+        def reset_prefix_cache(self, reset_running_requests=False):
+            return self.client.reset_prefix_cache(reset_running_requests)
 
         def shutdown(self):
             self.client.shutdown()

@@ -80,6 +80,18 @@ class LLM:
             self.llm_engine.abort_request(request_ids)
             raise
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Empty the V1 engine's prefix cache, so the next prompts find
+        nothing cached (a benchmark's runs, new weights); True if it was
+        emptied. Refused (False) while a request holds blocks, unless
+        `reset_running_requests`: see `Scheduler.reset_prefix_cache`."""
+        if not isinstance(self.llm_engine, V1LLMEngine):
+            raise NotImplementedError(
+                "LLM.reset_prefix_cache needs the V1 engine: vLLM v0.6's engine, which this "
+                "LLM runs, had no reset_prefix_cache. Pass use_v1=True."
+            )
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
     @staticmethod
     def _normalize_prompts(prompts) -> list[PromptType]:
         """A list of prompts; a list (or tuple) in it is token ids, which

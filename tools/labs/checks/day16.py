@@ -818,8 +818,8 @@ class _Inner:
         self.aborts.append(list(request_ids))
         self.client.abort_requests(request_ids)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.client.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.client.reset_prefix_cache(reset_running_requests)
 
     def shutdown(self) -> None:
         self.client.shutdown()
@@ -846,8 +846,8 @@ class _Outer:
     def abort_requests(self, request_ids) -> None:
         self.client.abort_requests(request_ids)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.client.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.client.reset_prefix_cache(reset_running_requests)
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -16,6 +16,10 @@ The scheduler asks it three things:
   use; None if the free blocks are too few (the scheduler then preempts).
   The request's blocks that the step fills are cached at once.
 - `free(request)`: give every block back, last block first.
+
+`reset_prefix_cache` empties the cache once no request holds a block (the
+scheduler preempts the running ones first if asked to), and flags the
+next `PrefixCacheStats` so the front end's hit rate starts again.
 """
 
 from __future__ import annotations
@@ -184,4 +188,10 @@ class KVCacheManager:
         return self.get_blocks(request_id).get_block_ids()
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Empty the prefix cache (refused, False, while a request holds
+        blocks). The next stats say so, so the hit rate starts again."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True

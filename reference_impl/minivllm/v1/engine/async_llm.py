@@ -217,6 +217,16 @@ class AsyncLLM(EngineClient):
         if not self.output_processor.has_unfinished_requests():
             self.stat_loggers.record_idle()  # the engine core may not step again to say so
 
+    # -- the prefix cache ---------------------------------------------------------
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Empty the engine core's prefix cache; True if it was emptied.
+        Refused while requests run, unless `reset_running_requests`, which
+        preempts them: their streams go on, recomputed (see
+        `Scheduler.reset_prefix_cache`). The stat loggers' hit rate starts
+        again from the next step."""
+        return await self.engine_core.reset_prefix_cache_async(reset_running_requests)
+
     # -- the output handler -------------------------------------------------------
 
     def _run_output_handler(self) -> None:

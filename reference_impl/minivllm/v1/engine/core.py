@@ -103,8 +103,10 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """See `Scheduler.reset_prefix_cache`. Called between two steps, so
+        a request it preempts is rescheduled in the next."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()

@@ -96,8 +96,8 @@ class InprocClient(EngineCoreClient):
         if request_ids:
             self.engine_core.abort_requests(request_ids)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -379,8 +379,8 @@ class SyncMPClient(MPClient):
         if request_ids and not self.resources.engine_dead:
             self._send_input(EngineCoreRequestType.ABORT, request_ids)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.call_utility("reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.call_utility("reset_prefix_cache", reset_running_requests)
 
 
 def process_outputs_socket(
@@ -477,8 +477,8 @@ class AsyncMPClient(MPClient):
         if request_ids and not self.resources.engine_dead:
             await self._send_input(EngineCoreRequestType.ABORT, request_ids)
 
-    async def reset_prefix_cache_async(self) -> bool:
-        return await self.call_utility_async("reset_prefix_cache")
+    async def reset_prefix_cache_async(self, reset_running_requests: bool = False) -> bool:
+        return await self.call_utility_async("reset_prefix_cache", reset_running_requests)
 
 
 async def process_outputs_socket_async(

@@ -353,8 +353,13 @@ class LLMEngine:
             self.trace_writer.close()
             self.trace_writer = None
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Empty the engine core's prefix cache; True if it was emptied.
+        Refused while requests run, unless `reset_running_requests`, which
+        preempts them: they finish all the same, recomputed (see
+        `Scheduler.reset_prefix_cache`). With log_stats, the hit rate
+        starts again."""
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
 
     def shutdown(self) -> None:
         """Stop the engine core (its process, if it has one); also done when

@@ -13,10 +13,11 @@ What V1 feeds, metric by metric (engine/metrics.py has the names):
 
     vllm:num_requests_running / _waiting    SchedulerStats.num_running_reqs / num_waiting_reqs
     vllm:gpu_cache_usage_perc               SchedulerStats.kv_cache_usage
-    vllm:gpu_prefix_cache_hit_rate          PrefixCacheStats, summed since the start (in
-                                            tokens; the classic engine counts blocks;
-                                            resumed requests' lookups left out); -1
-                                            with prefix caching off, as v0.6
+    vllm:gpu_prefix_cache_hit_rate          PrefixCacheStats, summed since the start or
+                                            the last reset_prefix_cache (in tokens; the
+                                            classic engine counts blocks; resumed
+                                            requests' lookups left out); -1 with
+                                            prefix caching off, as v0.6
     vllm:num_preemptions_total              SchedulerStats.num_preempted_reqs
     vllm:prompt_tokens_total                each request's prompt length when its first
                                             token comes (vLLM V1's rule; the classic
@@ -48,7 +49,7 @@ from collections.abc import Iterable, Sequence
 from minivllm.engine.metrics import StatLogger, Stats
 from minivllm.engine.protocol import StepStatLogger
 from minivllm.outputs import RequestOutput
-from minivllm.v1.metrics.stats import IterationStats, SchedulerStats
+from minivllm.v1.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
 
 # Seconds between throughput log lines (the classic LLMEngine's interval).
 LOG_INTERVAL_S = 5.0
@@ -88,11 +89,8 @@ class StatLoggerManager:
         """One step's `Stats`: the scheduler's state after it, the tokens of
         its outputs, the requests its outputs finished. Without
         SchedulerStats, the last step's state."""
-        if scheduler_stats is not None:
-            prefix = scheduler_stats.prefix_cache_stats
-            if prefix is not None:
-                self.prefix_cache_queries += prefix.queries
-                self.prefix_cache_hits += prefix.hits
+        if scheduler_stats is not None and scheduler_stats.prefix_cache_stats is not None:
+            self._add_prefix_cache_stats(scheduler_stats.prefix_cache_stats)
         last = self.last_stats
         stats = Stats(
             now=time.time(),
@@ -115,6 +113,17 @@ class StatLoggerManager:
         for output in request_outputs:
             add_finished_request(stats, output)
         return stats
+
+    def _add_prefix_cache_stats(self, prefix: PrefixCacheStats) -> None:
+        """Add a step's lookups to the totals. After `reset_prefix_cache`
+        the totals start again from this step's: the hits counted before
+        were on blocks the cache no longer has (vLLM resets its hit-rate
+        window the same way)."""
+        if prefix.reset:
+            self.prefix_cache_queries = 0
+            self.prefix_cache_hits = 0
+        self.prefix_cache_queries += prefix.queries
+        self.prefix_cache_hits += prefix.hits
 
     def _idle_stats(self) -> Stats:
         return Stats(

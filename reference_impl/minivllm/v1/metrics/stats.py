@@ -21,6 +21,8 @@ class PrefixCacheStats:
     queries: tokens looked up (each request's `num_tokens`).
     hits: of those, tokens found in the cache.
     preempted_*: the same, for requests resumed after preemption.
+    reset: the prefix cache was emptied (`reset_prefix_cache`) before these
+        lookups: whoever sums the stats starts its hit rate again from them.
     """
 
     requests: int = 0
@@ -29,6 +31,7 @@ class PrefixCacheStats:
     preempted_requests: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
+    reset: bool = False
 
     def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
         """A resumed request mostly finds its own blocks again: counted apart,

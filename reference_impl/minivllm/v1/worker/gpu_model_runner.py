@@ -4,8 +4,8 @@ the name is vLLM's, and it runs on a CPU as well).
 Each step it
 
 1. `_update_states`: applies the scheduler's diff to the persistent batch
-   (drop finished and unscheduled requests, add new ones, extend the block
-   rows and computed counts of the others);
+   (drop finished and unscheduled requests, add new and resumed ones,
+   extend the block rows and computed counts of the others);
 2. `_prepare_inputs`: gathers the step's flattened inputs from the batch's
    arrays: per token its id, position and cache slot; per request its query
    start, lengths and block row;
@@ -119,9 +119,15 @@ class GPUModelRunner:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
         # Running but not scheduled this step (out of budget, or preempted):
-        # out of the batch, state kept for when it comes back.
+        # out of the batch, state kept for when it comes back. A resumed
+        # request is usually out already; one that `reset_prefix_cache`
+        # preempted between two steps still has its row, with its old
+        # blocks: out too, so it comes back below with its new ones.
         scheduled = scheduler_output.num_scheduled_tokens
-        for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id in [
+            r for r in batch.req_id_to_index if r not in scheduled or r in cached.resumed_req_ids
+        ]:
             batch.remove_request(req_id)
 
         reqs_to_add: list[CachedRequestState] = []
@@ -141,7 +147,6 @@ class GPUModelRunner:
             )
             reqs_to_add.append(state)
 
-        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]

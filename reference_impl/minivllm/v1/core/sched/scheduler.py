@@ -113,8 +113,36 @@ class Scheduler:
         must still be told about."""
         return self.has_unfinished_requests() or self.has_finished_requests()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Empty the prefix cache; True if it was emptied.
+
+        Blocks in use keep their hashes, so by default this is refused
+        (False) while any request runs. `reset_running_requests=True`
+        preempts every running request first, so no block is held and the
+        reset cannot be refused (RuntimeError if it is all the same): they
+        wait at the front of the queue and are recomputed, in their old
+        order (what RL trainers want after loading new weights into vLLM:
+        every K/V computed so far is stale).
+        """
+        if reset_running_requests:
+            self._preempt_all_running()
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not reset:
+            raise RuntimeError(
+                "the prefix cache could not be reset even with every running "
+                "request preempted: a block is still held"
+            )
+        return reset
+
+    def _preempt_all_running(self) -> None:
+        """Preempt every running request, the last first: each goes to the
+        front of WAITING, so the first ends up first again. The worker's
+        copy of them is now stale: as if they had not run in the last step,
+        the next schedule sends their whole token lists, and the runner
+        drops their rows and adds them back with their new blocks."""
+        while self.running:
+            self._preempt_request(self.running.pop())
+        self.prev_step_scheduled_req_ids.clear()
 
     # -- one step ---------------------------------------------------------
 
