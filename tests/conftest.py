@@ -60,9 +60,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def loop():
-    """One event loop for a module's asyncio tests, closed after them."""
+    """One event loop for a module's asyncio tests, closed after them as
+    `asyncio.run` closes its own: tasks still pending (an AsyncLLM's output
+    tasks, cancelled by its shutdown) are let finish first."""
     loop = asyncio.new_event_loop()
     yield loop
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 
