@@ -285,6 +285,7 @@ def init_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         root=model_path,
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     return build_app(served, api_key=args.api_key or envs.MINIVLLM_API_KEY,
                      cors=CorsOptions.from_cli_args(args), log_stats=not args.disable_log_stats)

@@ -67,6 +67,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the role of the chat answers (default: assistant)",
     )
     server.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report the prompt tokens found in the prefix cache in each answer's usage "
+        "(prompt_tokens_details.cached_tokens; the V1 engine counts them)",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],

@@ -88,17 +88,29 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int = 0
+    # With --enable-prompt-tokens-details: the prompt tokens found in the
+    # prefix cache, when there were any (vLLM's rule; V1 reports them).
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    ) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens)
+            if cached_tokens
+            else None,
         )
 
 

@@ -40,6 +40,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     logprob_token,
     sampling_params_of,
     sse,
+    sse_usage,
     with_first,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -106,7 +107,9 @@ class OpenAIServingChat(OpenAIServing):
             for completion in final.outputs
         ]
         num_generated = sum(len(c.token_ids) for c in final.outputs)
-        usage = UsageInfo.of(len(final.prompt_token_ids), num_generated)
+        usage = UsageInfo.of(
+            len(final.prompt_token_ids), num_generated, self.cached_tokens(final)
+        )
         response = ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
         )
@@ -155,8 +158,10 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(choice)
             if request.include_usage:
                 num_generated = sum(s.num_tokens for s in progress)
-                usage = UsageInfo.of(len(first.prompt_token_ids), num_generated)
-                yield sse(
+                usage = UsageInfo.of(
+                    len(first.prompt_token_ids), num_generated, self.cached_tokens(first)
+                )
+                yield sse_usage(
                     ChatCompletionStreamResponse(
                         id=request_id,
                         created=created,

@@ -36,6 +36,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     merge_async_iterators,
     sampling_params_of,
     sse,
+    sse_usage,
     with_first,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -109,7 +110,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 num_generated += len(completion.token_ids)
         num_prompt = sum(len(ids) for _, ids in prompts)
-        usage = UsageInfo.of(num_prompt, num_generated)
+        last = finals[len(prompts) - 1]  # vLLM reports the last prompt's cached tokens
+        usage = UsageInfo.of(num_prompt, num_generated, self.cached_tokens(last))
         response = CompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
         )
@@ -126,8 +128,10 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         n = request.n or 1
         progress: dict[int, ChoiceProgress] = {}
+        last = first[1]
         try:
             async for prompt_index, output in with_first(first, results):
+                last = output
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
                     state = progress.setdefault(index, ChoiceProgress())
@@ -158,11 +162,12 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
                 num_generated = sum(state.num_tokens for state in progress.values())
-                usage = UsageInfo.of(num_prompt, num_generated)
+                # The last output's cached tokens, as vLLM reports them.
+                usage = UsageInfo.of(num_prompt, num_generated, self.cached_tokens(last))
                 chunk = CompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[], usage=usage
                 )
-                yield sse(chunk)
+                yield sse_usage(chunk)
         except Exception as e:  # the engine failed mid-stream: tell the client
             yield self.sse_error(e, request)
         yield SSE_DONE

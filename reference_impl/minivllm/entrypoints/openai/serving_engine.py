@@ -89,6 +89,7 @@ class ServedModel:
     root: str
     chat_template: str | None = None
     response_role: str = "assistant"
+    enable_prompt_tokens_details: bool = False
 
 
 class OpenAIServing:
@@ -101,6 +102,11 @@ class OpenAIServing:
     @property
     def model_name(self) -> str:
         return self.served.served_model_names[0]
+
+    def cached_tokens(self, output: RequestOutput) -> int | None:
+        """The prompt tokens the prefix cache gave `output`'s request, for
+        the usage's `prompt_tokens_details` (if the server reports them)."""
+        return output.num_cached_tokens if self.served.enable_prompt_tokens_details else None
 
     def show_available_models(self) -> ModelList:
         return ModelList(
@@ -302,6 +308,12 @@ def sse(chunk: BaseModel, null_usage: bool = False) -> str:
     every other chunk (its chat stream leaves it out), as OpenAI's does."""
     exclude = {"usage"} if getattr(chunk, "usage", 0) is None and not null_usage else None
     return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+
+def sse_usage(chunk: BaseModel) -> str:
+    """The stream's last chunk, its usage: vLLM's leaves out what is null
+    there (`prompt_tokens_details` without cached tokens)."""
+    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
