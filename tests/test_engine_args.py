@@ -48,7 +48,7 @@ def test_every_option_is_a_flag_of_its_type():
         "--tokenizer", "/tok", "--trust-remote-code", "--block-manager-cls", "a.B",
         "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
         "--enforce-eager", "--max-seq-len-to-capture", "512", "--use-v1",
-        "--compilation-level", "3",
+        "--compilation-level", "3", "--long-prefill-token-threshold", "5",
     ]
     args = EngineArgs.from_cli_args(parser().parse_args(argv))
     given = {a.lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a[:2] == "--"}
@@ -62,7 +62,7 @@ def test_every_option_is_a_flag_of_its_type():
         scheduling_policy="priority", scheduler_cls="tests.engine_spies.RecordingScheduler",
         block_manager_cls="a.B", disable_log_stats=False, tensor_parallel_size=2,
         distributed_executor_backend="ray", enforce_eager=True, max_seq_len_to_capture=512,
-        use_v1=True, compilation_level=3,
+        use_v1=True, compilation_level=3, long_prefill_token_threshold=5,
     )
 
 
@@ -83,7 +83,7 @@ def test_option_defaults_are_the_configs_defaults():
     defaults, checked = EngineArgs(), {"model"}  # no default model: the shipped one
     # These depend on the engine (None: on with V1, the config's default,
     # off, with the classic engine): checked in the next test.
-    checked |= {"enable_prefix_caching", "enable_chunked_prefill"}
+    checked |= {"enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs"}
     for config in owners:  # the first config to hold a name owns it
         for f in dataclasses.fields(config):
             if f.init and hasattr(defaults, f.name) and f.name not in checked:
@@ -121,6 +121,43 @@ def test_v1_token_budget_is_at_least_max_num_seqs(tiny_model_dir):
     config = EngineArgs(model=tiny_model_dir("llama"), use_v1=True,
                         max_num_seqs=5000).create_engine_config()
     assert config.scheduler_config.max_num_batched_tokens == 5000
+
+
+def test_v1_batch_defaults_follow_vllms_rules(tiny_model_dir):
+    """vLLM's `_set_default_max_num_seqs_and_batched_tokens_args`: without
+    chunked prefill the budget is the device's but at least max_model_len;
+    a default max_num_seqs is cut to a smaller budget given. The classic
+    engine keeps v0.6's: max(max_model_len, 2048), and 256 sequences, so a
+    budget of 64 is refused there."""
+    model = tiny_model_dir("llama")
+
+    def limits(**kwargs) -> tuple[int, int]:
+        config = EngineArgs(model=model, device="cpu", **kwargs).create_engine_config()
+        return config.scheduler_config.max_num_seqs, config.scheduler_config.max_num_batched_tokens
+
+    assert limits(use_v1=True, enable_chunked_prefill=False) == (256, 4096)
+    # (A context longer than the device's budget: the tiny model has 512.)
+    assert EngineArgs(use_v1=True)._batch_limits(True, False, "cpu", 5000) == (256, 5000)
+    assert limits(use_v1=False, max_model_len=500) == (256, 2048)
+    assert limits(use_v1=True, max_num_batched_tokens=64) == (64, 64)
+    assert limits(use_v1=True, max_num_batched_tokens=64, max_num_seqs=8) == (8, 64)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be >= max_num_seqs"):
+        limits(use_v1=True, max_num_batched_tokens=64, max_num_seqs=100)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be >= max_num_seqs"):
+        limits(use_v1=False, max_num_batched_tokens=64, enable_chunked_prefill=True)
+
+
+def test_long_prefill_token_threshold_is_v1s(tiny_model_dir):
+    def config(use_v1: bool, threshold: int):
+        args = EngineArgs(model=tiny_model_dir("llama"), use_v1=use_v1,
+                          long_prefill_token_threshold=threshold)
+        return args.create_engine_config()
+
+    assert config(True, 32).scheduler_config.long_prefill_token_threshold == 32
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=32 is an option of the V1"):
+        config(False, 32)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+        config(True, -1)
 
 
 @pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])

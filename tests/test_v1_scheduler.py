@@ -43,6 +43,7 @@ def make_scheduler(
     policy: str = "fcfs",
     caching: bool = True,
     block_size: int = BS,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
     cache_config.num_gpu_blocks = blocks
@@ -52,6 +53,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
         scheduling_policy=policy,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     return Scheduler(scheduler_config, cache_config)
 
@@ -783,3 +785,43 @@ def test_random_workloads_keep_the_scheduler_consistent(
             assert req.output_token_ids[-1] in (EOS, STOP_ID)
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == num_gpu_blocks - 1
     assert not s.running and not s.waiting and not s.requests
+
+
+# -- long_prefill_token_threshold --------------------------------------------------
+
+
+def test_long_prefill_token_threshold_caps_every_prompt_chunk():
+    """vLLM's rule, in both loops: 0 < threshold < what is missing -> the
+    threshold. Threshold 4, budget 16: A's 10-token prompt goes 4 (admitted),
+    4, 2 (running); B, admitted beside A's second chunk, gets 4 of its 5; a
+    decode (1 token) is never capped."""
+    s = make_scheduler(budget=16, long_prefill_token_threshold=4)
+    s.add_request(make_request("A", toks(100, 10)))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"A": 4}
+    s.add_request(make_request("B", toks(200, 5)))
+    assert step(s)[0].num_scheduled_tokens == {"A": 4, "B": 4}
+    assert step(s)[0].num_scheduled_tokens == {"A": 2, "B": 1}
+    assert step(s)[0].num_scheduled_tokens == {"A": 1, "B": 1}  # both decode
+
+
+# -- preemptions between two steps ----------------------------------------------------
+
+
+def test_requests_a_reset_preempts_are_named_by_the_next_output_and_counted():
+    """reset_prefix_cache(reset_running_requests=True) preempts between two
+    steps: as in vLLM (`reset_preempted_req_ids`), the next SchedulerOutput
+    names them among its preempted requests (while resuming them at once),
+    and its stats count them; the step after names none."""
+    s = make_scheduler()
+    for rid, start in (("A", 100), ("B", 200)):
+        s.add_request(make_request(rid, toks(start, 6)))
+    step(s)
+    assert s.reset_prefix_cache(reset_running_requests=True)
+    out = s.schedule()
+    result = s.update_from_output(out, worker_output(s, out))
+    assert out.preempted_req_ids == {"A", "B"}
+    assert out.num_scheduled_tokens == {"A": 7, "B": 7}  # resumed, recomputed
+    assert result.scheduler_stats.num_preempted_reqs == 2
+    out, _ = step(s)
+    assert out.preempted_req_ids == set()

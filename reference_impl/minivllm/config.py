@@ -415,6 +415,8 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode | str | None = None
     enable_chunked_prefill: bool = False
     scheduling_policy: str = "fcfs"
+    # V1 only: at most this many tokens of one prompt in a step (0: no cap).
+    long_prefill_token_threshold: int = 0
     # Replaceable components, by class or "package.module.Class" (vLLM has
     # scheduler_cls too): the labs plug a learner's own in here.
     scheduler_cls: str | type = "minivllm.core.scheduler.Scheduler"
@@ -434,6 +436,9 @@ class SchedulerConfig:
         self.max_model_len = check_int("max_model_len", self.max_model_len, low=1)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        self.long_prefill_token_threshold = check_int(
+            "long_prefill_token_threshold", self.long_prefill_token_threshold, low=0
+        )
         if self.max_num_batched_tokens is None:
             if self.enable_chunked_prefill:
                 self.max_num_batched_tokens = max(512, self.max_num_seqs)

@@ -104,12 +104,21 @@ class EngineArgs:
         "classic engine)",
     )
     # Scheduler
-    max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "most sequences in one step")
+    max_num_seqs: int | None = _option(
+        None,
+        f"most sequences in one step (default: {SchedulerConfig.max_num_seqs}; with V1 at most "
+        "max_num_batched_tokens)",
+    )
     max_num_batched_tokens: int | None = _option(
         SchedulerConfig.max_num_batched_tokens,
-        "most tokens in one step (default: with V1 4096 per worker on a CPU, 8192 on a GPU; "
-        "classic: 512 with chunked prefill, "
-        "else max(max_model_len, 2048))",
+        "most tokens in one step (default: with V1 4096 per worker on a CPU, 8192 on a GPU, "
+        "and at least max_model_len without chunked prefill; classic: 512 with chunked "
+        "prefill, else max(max_model_len, 2048))",
+    )
+    long_prefill_token_threshold: int = _option(
+        SchedulerConfig.long_prefill_token_threshold,
+        "V1: at most this many tokens of one prompt in a step, so short requests are not kept "
+        "waiting behind a long one (0: no cap)",
     )
     preemption_mode: str | None = _option(
         SchedulerConfig.preemption_mode,
@@ -233,12 +242,6 @@ class EngineArgs:
         if enable_chunked_prefill is None:
             enable_chunked_prefill = use_v1
         device_config = DeviceConfig(self.device)
-        max_num_batched_tokens = self.max_num_batched_tokens
-        if max_num_batched_tokens is None and use_v1 and enable_chunked_prefill:
-            max_num_batched_tokens = max(
-                v1_default_max_num_batched_tokens(device_config.device, self.tensor_parallel_size),
-                self.max_num_seqs if is_int(self.max_num_seqs) else 0,
-            )
         model_config = ModelConfig(
             # No model named: the small story model that ships in the package,
             # so `LLM()` works offline and prints readable text.
@@ -255,6 +258,14 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
         )
+        max_num_seqs, max_num_batched_tokens = self._batch_limits(
+            use_v1, enable_chunked_prefill, device_config.device, model_config.max_model_len
+        )
+        if not use_v1 and self.long_prefill_token_threshold != 0:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} is an option "
+                "of the V1 scheduler (vLLM v0.6's had none): use use_v1=True, or leave it 0"
+            )
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -264,12 +275,13 @@ class EngineArgs:
             enable_prefix_caching=enable_prefix_caching,
         )
         scheduler_config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
             enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             scheduler_cls=self.scheduler_cls,
             block_manager_cls=self.block_manager_cls,
         )
@@ -281,6 +293,31 @@ class EngineArgs:
         return EngineConfig(
             model_config, cache_config, scheduler_config, device_config, parallel_config, use_v1
         )
+
+    def _batch_limits(
+        self, use_v1: bool, enable_chunked_prefill: bool, device: str, max_model_len: int
+    ) -> tuple[object, object]:
+        """(max_num_seqs, max_num_batched_tokens) with the defaults filled in.
+        The classic engine's are SchedulerConfig's (vLLM v0.6's). V1's are
+        vLLM's `_set_default_max_num_seqs_and_batched_tokens_args`: the
+        device's token budget, at least max_model_len without chunked
+        prefill (a prompt must fit one step), at least max_num_seqs; and a
+        default max_num_seqs no larger than the budget. Values given are
+        passed on as they are, for SchedulerConfig to check."""
+        max_num_seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
+        if not use_v1:
+            return SchedulerConfig.max_num_seqs if max_num_seqs is None else max_num_seqs, budget
+        if budget is None:
+            budget = v1_default_max_num_batched_tokens(device, self.tensor_parallel_size)
+            if not enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+            if is_int(max_num_seqs):
+                budget = max(budget, max_num_seqs)
+        if max_num_seqs is None:
+            max_num_seqs = SchedulerConfig.max_num_seqs
+            if is_int(budget):
+                max_num_seqs = min(max_num_seqs, budget)
+        return max_num_seqs, budget
 
     @staticmethod
     def _check_compilation(model_config: ModelConfig, parallel_config: ParallelConfig) -> None:

@@ -382,9 +382,12 @@ def finish_schedule(
         ),
         num_scheduled_tokens=num_scheduled_tokens,
         total_num_scheduled_tokens=total,
-        preempted_req_ids={r.request_id for r in preempted_reqs},
+        # This step's victims, and any preempted since the last step.
+        preempted_req_ids=scheduler.reset_preempted_req_ids
+        | {r.request_id for r in preempted_reqs},
         finished_req_ids=scheduler.finished_req_ids,
     )
+    scheduler.reset_preempted_req_ids = set()
     scheduler.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
     scheduler._update_after_schedule(output)
     return output

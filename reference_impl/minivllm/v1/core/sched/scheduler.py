@@ -60,6 +60,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(): the worker drops their state.
         self.finished_req_ids: set[str] = set()
+        # Preempted since the last schedule(), in it or between two steps
+        # (reset_prefix_cache): the next SchedulerOutput names them.
+        self.reset_preempted_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
 
         self.kv_cache_manager = KVCacheManager(
@@ -160,6 +163,7 @@ class Scheduler:
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = self._cap_long_prefill(num_new_tokens)
             num_new_tokens = min(num_new_tokens, token_budget)
             # (vLLM also caps this at max_model_len - 1 - num_computed_tokens,
             # for speculative tokens; without them num_tokens never passes
@@ -206,6 +210,7 @@ class Scheduler:
                 )
                 num_computed_tokens = num_new_local_computed_tokens
                 num_new_tokens = request.num_tokens - num_computed_tokens
+                num_new_tokens = self._cap_long_prefill(num_new_tokens)
                 if (
                     not self.scheduler_config.enable_chunked_prefill
                     and num_new_tokens > token_budget
@@ -253,9 +258,10 @@ class Scheduler:
             ),
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total_num_scheduled_tokens,
-            preempted_req_ids={r.request_id for r in preempted_reqs},
+            preempted_req_ids=self.reset_preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
         )
+        self.reset_preempted_req_ids = set()
         self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
         self._update_after_schedule(scheduler_output)
         return scheduler_output
@@ -270,6 +276,14 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
+        self.reset_preempted_req_ids.add(request.request_id)
+
+    def _cap_long_prefill(self, num_new_tokens: int) -> int:
+        """At most `long_prefill_token_threshold` tokens of a prompt a step
+        (0: no cap), so one long prompt cannot take a whole step's budget
+        while shorter ones wait."""
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
 
     def _make_cached_request_data(
         self,
