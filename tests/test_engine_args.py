@@ -49,6 +49,7 @@ def test_every_option_is_a_flag_of_its_type():
         "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
         "--enforce-eager", "--max-seq-len-to-capture", "512", "--use-v1",
         "--compilation-level", "3", "--long-prefill-token-threshold", "5",
+        "--no-scheduler-reserve-full-isl",
     ]
     args = EngineArgs.from_cli_args(parser().parse_args(argv))
     given = {a.lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a[:2] == "--"}
@@ -63,6 +64,7 @@ def test_every_option_is_a_flag_of_its_type():
         block_manager_cls="a.B", disable_log_stats=False, tensor_parallel_size=2,
         distributed_executor_backend="ray", enforce_eager=True, max_seq_len_to_capture=512,
         use_v1=True, compilation_level=3, long_prefill_token_threshold=5,
+        scheduler_reserve_full_isl=False,
     )
 
 
@@ -158,6 +160,19 @@ def test_long_prefill_token_threshold_is_v1s(tiny_model_dir):
         config(False, 32)
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
         config(True, -1)
+
+
+def test_scheduler_reserve_full_isl_can_be_turned_off_on_v1_only(tiny_model_dir):
+    def config(use_v1: bool, reserve: bool):
+        args = EngineArgs(model=tiny_model_dir("llama"), use_v1=use_v1,
+                          scheduler_reserve_full_isl=reserve)
+        return args.create_engine_config().scheduler_config
+
+    assert config(True, True).scheduler_reserve_full_isl is True  # vLLM's default
+    assert config(True, False).scheduler_reserve_full_isl is False
+    assert config(False, True).scheduler_reserve_full_isl is True
+    with pytest.raises(ValueError, match="scheduler_reserve_full_isl=False is an option of the V1"):
+        config(False, False)
 
 
 @pytest.mark.parametrize("value, expected", [(None, False), ("0", False), ("1", True)])

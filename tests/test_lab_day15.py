@@ -77,7 +77,7 @@ def _scheduler(*, waiting_first=False, admit_after_preemption=False, preempt_hea
                no_chunk=False, no_cut_running=False, no_max_seqs=False, resumed_as_new=False,
                new_blocks_only=False, forget_computed=False, skip_ahead=False,
                ignore_unchunked=False, no_break_self=False, no_budget_return=False,
-               no_index_fix=False, keep_scheduled=False, fcfs_only=False):
+               no_index_fix=False, keep_scheduled=False, fcfs_only=False, no_full_isl=False):
     class MyScheduler(Scheduler):
         def schedule(self) -> SchedulerOutput:
             new_reqs, resumed_reqs, running_reqs, preempted_reqs = [], [], [], []
@@ -135,7 +135,8 @@ def _scheduler(*, waiting_first=False, admit_after_preemption=False, preempt_hea
                         break
                     num_new_tokens = min(num_new_tokens, token_budget)
                     new_blocks = self.kv_cache_manager.allocate_slots(
-                        request, num_new_tokens, num_hit, blocks)
+                        request, num_new_tokens, num_hit, blocks, full_sequence_must_fit=(
+                            self.scheduler_config.scheduler_reserve_full_isl and not no_full_isl))
                     if new_blocks is None:
                         if skip_ahead:
                             skipped.append(self.waiting.pop_request())
@@ -216,7 +217,8 @@ class _AlternativeScheduler(Scheduler):
             if want > limit - spent and not self.scheduler_config.enable_chunked_prefill:
                 break
             n = min(want, limit - spent)
-            if manager.allocate_slots(request, n, hit, hit_blocks) is None:
+            whole = self.scheduler_config.scheduler_reserve_full_isl
+            if manager.allocate_slots(request, n, hit, hit_blocks, whole) is None:
                 break
             request = self.waiting.pop_request()
             (resumed_reqs if request.status == RequestStatus.PREEMPTED else new_reqs).append(
@@ -258,6 +260,7 @@ def test_exercise_2_passes(answer, capsys):
     ("no_index_fix", "was running and was skipped"),
     ("keep_scheduled", "is still in its batch"),
     ("fcfs_only", "the running request with the largest (priority, arrival_time)"),
+    ("no_full_isl", "admits a WAITING request only if its whole prompt fits"),
 ])
 def test_exercise_2_rejects(mistake, message):
     with pytest.raises(AssertionError, match=re.escape(message)):

@@ -44,6 +44,7 @@ def make_scheduler(
     caching: bool = True,
     block_size: int = BS,
     long_prefill_token_threshold: int = 0,
+    reserve_full_isl: bool = True,
 ) -> Scheduler:
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
     cache_config.num_gpu_blocks = blocks
@@ -54,6 +55,7 @@ def make_scheduler(
         enable_chunked_prefill=chunked,
         scheduling_policy=policy,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        scheduler_reserve_full_isl=reserve_full_isl,
     )
     return Scheduler(scheduler_config, cache_config)
 
@@ -825,3 +827,30 @@ def test_requests_a_reset_preempts_are_named_by_the_next_output_and_counted():
     assert result.scheduler_stats.num_preempted_reqs == 2
     out, _ = step(s)
     assert out.preempted_req_ids == set()
+
+
+# -- admission: room for the whole prompt ---------------------------------------------
+
+
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_a_waiting_request_is_admitted_only_if_its_whole_prompt_fits(reserve_full_isl):
+    """vLLM's scheduler_reserve_full_isl (on by default): allocate_slots(...,
+    full_sequence_must_fit=True) admits a waiting request only if the free
+    blocks hold its whole prompt, not only this step's chunk. 6 blocks of 4
+    (5 usable), 8 tokens a step. A (8 tokens) takes [1, 2], then block 3 for
+    its 9th token; B (16 tokens, 4 blocks) arrives at step 2 with 2 blocks
+    free and 7 tokens of budget. With the rule B waits, and nothing is
+    preempted; without it B's first chunk (7 tokens, 2 blocks) is admitted,
+    and at the next step B, the tail, has to preempt itself for its second."""
+    s = make_scheduler(blocks=6, budget=8, reserve_full_isl=reserve_full_isl)
+    s.add_request(make_request("A", toks(100, 8), max_tokens=20))
+    assert step(s)[0].num_scheduled_tokens == {"A": 8}
+    s.add_request(make_request("B", toks(200, 16)))
+    second, _ = step(s)
+    third, _ = step(s)
+    if reserve_full_isl:
+        assert second.num_scheduled_tokens == third.num_scheduled_tokens == {"A": 1}
+        assert third.preempted_req_ids == set() and s.requests["B"].num_preemptions == 0
+    else:
+        assert second.num_scheduled_tokens == {"A": 1, "B": 7}
+        assert third.num_scheduled_tokens == {"A": 1} and third.preempted_req_ids == {"B"}

@@ -417,6 +417,9 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     # V1 only: at most this many tokens of one prompt in a step (0: no cap).
     long_prefill_token_threshold: int = 0
+    # V1 only: admit a waiting request only if its whole prompt's blocks are
+    # free, not only its first chunk's (the classic engine always does).
+    scheduler_reserve_full_isl: bool = True
     # Replaceable components, by class or "package.module.Class" (vLLM has
     # scheduler_cls too): the labs plug a learner's own in here.
     scheduler_cls: str | type = "minivllm.core.scheduler.Scheduler"
@@ -439,6 +442,7 @@ class SchedulerConfig:
         self.long_prefill_token_threshold = check_int(
             "long_prefill_token_threshold", self.long_prefill_token_threshold, low=0
         )
+        check_bool("scheduler_reserve_full_isl", self.scheduler_reserve_full_isl)
         if self.max_num_batched_tokens is None:
             if self.enable_chunked_prefill:
                 self.max_num_batched_tokens = max(512, self.max_num_seqs)

@@ -120,6 +120,11 @@ class EngineArgs:
         "V1: at most this many tokens of one prompt in a step, so short requests are not kept "
         "waiting behind a long one (0: no cap)",
     )
+    scheduler_reserve_full_isl: bool = _option(
+        SchedulerConfig.scheduler_reserve_full_isl,
+        "V1: admit a waiting request only when its whole prompt's KV blocks are free, not "
+        "only its first chunk's (the classic engine always does)",
+    )
     preemption_mode: str | None = _option(
         SchedulerConfig.preemption_mode,
         "how to preempt (default: recompute one sequence, swap several)",
@@ -266,6 +271,11 @@ class EngineArgs:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} is an option "
                 "of the V1 scheduler (vLLM v0.6's had none): use use_v1=True, or leave it 0"
             )
+        if not use_v1 and self.scheduler_reserve_full_isl is False:
+            raise ValueError(
+                "scheduler_reserve_full_isl=False is an option of the V1 scheduler: the classic "
+                "engine (vLLM v0.6) always takes a prompt's blocks when it admits it"
+            )
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -282,6 +292,7 @@ class EngineArgs:
             enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
             scheduler_cls=self.scheduler_cls,
             block_manager_cls=self.block_manager_cls,
         )

@@ -511,6 +511,17 @@ def _schedule_hint(name: str, ref: V1Step, got: V1Step, engine: dict) -> str:
                     f"the budget left waits for a later step (break); {r} was cut to "
                     f"{have[r]} tokens instead"
                 )
+        reserve = engine.get("scheduler_reserve_full_isl", True)
+        for r in waiting:
+            computed, tokens = ref.waiting_before[r]
+            if chunk and reserve and r not in want and 0 < have.get(r, 0) < tokens - computed:
+                return (
+                    f"{r} was admitted with {have[r]} of its {tokens} tokens, but the free "
+                    "blocks cannot hold all of them: V1 admits a WAITING request only if its "
+                    "whole prompt fits (allocate_slots(..., full_sequence_must_fit=self."
+                    "scheduler_config.scheduler_reserve_full_isl)), or it runs short of blocks "
+                    "at a later chunk and preempts"
+                )
         jumped = [r for r in waiting if r in have and r not in want]
         if jumped:
             first = next((r for r in waiting if r not in want), None)
@@ -652,16 +663,19 @@ SCHEDULE_WORKLOADS = [
         "and finds its blocks in the prefix cache."),
     Workload(
         "priority preemption: L (priority 1), then H and P (priority 0) in 6 blocks of 16, "
-        "34 tokens a step",
-        {"L": 31, "H": 32, "P": 80}, _engine(7, 34, scheduling_policy="priority"),
+        "34 tokens a step, admitting by first chunk (scheduler_reserve_full_isl=False)",
+        {"L": 31, "H": 32, "P": 80},
+        _engine(7, 34, scheduling_policy="priority", scheduler_reserve_full_isl=False),
         {"L": 6, "H": 6, "P": 3},
         "with scheduling_policy='priority' the victim is the lowest-priority request, even "
         "one already scheduled in this step (L at step 2), whose tokens and place go back.",
         arrivals={"H": 1, "P": 1}, priorities={"L": 1}),
     Workload(
         "no admission after a preemption: L (priority 1), H, P, and W (8 tokens, priority 0) "
-        "arriving in the step that preempts L",
-        {"L": 31, "H": 31, "P": 100, "W": 8}, _engine(12, 64, 128, scheduling_policy="priority"),
+        "arriving in the step that preempts L, admitting by first chunk "
+        "(scheduler_reserve_full_isl=False)",
+        {"L": 31, "H": 31, "P": 100, "W": 8},
+        _engine(12, 64, 128, scheduling_policy="priority", scheduler_reserve_full_isl=False),
         {"L": 6, "H": 6, "P": 3, "W": 3},
         "W is at the head of the waiting queue (priority 0) and would fit in the blocks L "
         "frees at step 3, but a step that preempted admits nobody: W waits for step 4.",
@@ -689,6 +703,16 @@ SCHEDULE_WORKLOADS = [
         {"A": 40, "B": 30}, _engine(32, 64, 64, enable_chunked_prefill=False), 3,
         "without chunked prefill a WAITING request whose tokens exceed the budget left waits "
         "for a step with room for all of them (break)."),
+    Workload(
+        "room for the whole prompt: A (30 tokens) runs in 4 blocks of 16, B (40 tokens) "
+        "arrives at step 1, 32 tokens a step",
+        {"A": 30, "B": 40}, _engine(5, 32, 64), {"A": 4, "B": 3},
+        "a WAITING request is admitted only if the free blocks hold its whole prompt, not "
+        "only this step's chunk (allocate_slots(..., full_sequence_must_fit=self."
+        "scheduler_config.scheduler_reserve_full_isl), on by default): B's 3 blocks are not "
+        "free while A runs, so B waits, where admitting its first chunk would leave it short "
+        "of blocks at its next chunk.",
+        arrivals={"B": 1}),
 ]
 
 
@@ -903,12 +927,12 @@ class _AllocationLog:
         manager.allocate_slots = self
 
     def __call__(self, request, num_new_tokens, num_new_computed_tokens=0,
-                 new_computed_blocks=None):
+                 new_computed_blocks=None, full_sequence_must_fit=False):
         m = self.manager
         args = (request.num_computed_tokens, num_new_computed_tokens, num_new_tokens,
                 len(m.req_to_blocks.get(request.request_id, [])), m.block_size)
         blocks = self._allocate(request, num_new_tokens, num_new_computed_tokens,
-                                new_computed_blocks)
+                                new_computed_blocks, full_sequence_must_fit)
         if blocks is not None:
             self.calls.append((args, len(blocks.blocks)))
         return blocks

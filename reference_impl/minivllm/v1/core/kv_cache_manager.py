@@ -112,11 +112,15 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
+        full_sequence_must_fit: bool = False,
     ) -> KVCacheBlocks | None:
         """Blocks for `num_new_tokens` more tokens after the request's
         computed ones (`num_new_computed_tokens` of them just found in the
         cache, in `new_computed_blocks`). Returns the newly allocated blocks,
-        or None, changing nothing, if too few blocks are free.
+        or None, changing nothing, if too few blocks are free; with
+        `full_sequence_must_fit` (the scheduler's admission of a waiting
+        request), also if the free blocks could not hold all its tokens,
+        whatever part of them this step computes.
 
         Blocks (layout):
         | < computed > | < new computed > |    < new >    |
@@ -135,7 +139,13 @@ class KVCacheManager:
         # A cached block that nobody holds sits in the free queue: taking it
         # into use removes it from there, so it counts against the free blocks.
         num_evictable_computed = sum(b.ref_cnt == 0 and not b.is_null for b in new_computed)
-        if num_new_blocks + num_evictable_computed > self.block_pool.get_num_free_blocks():
+        num_free_blocks = self.block_pool.get_num_free_blocks()
+        if full_sequence_must_fit:
+            num_tokens = min(request.num_tokens, self.max_model_len)
+            num_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks) - len(new_computed)
+            if num_blocks + num_evictable_computed > num_free_blocks:
+                return None
+        if num_new_blocks + num_evictable_computed > num_free_blocks:
             return None
 
         if self.enable_caching:

@@ -217,8 +217,12 @@ class Scheduler:
                 ):
                     break  # unchunked: wait for a step with room for all of it
                 num_new_tokens = min(num_new_tokens, token_budget)
+                # Room for the whole prompt, not only this chunk (vLLM's
+                # scheduler_reserve_full_isl): a prompt admitted chunk by
+                # chunk could otherwise run out of blocks halfway and preempt.
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks
+                    request, num_new_tokens, num_new_local_computed_tokens, new_computed_blocks,
+                    full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
                 )
                 if new_blocks is None:
                     break
