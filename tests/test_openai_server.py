@@ -260,6 +260,57 @@ def test_chat_echo_continues_the_assistant_message(client, llm):
     assert streamed == full.choices[0].message.content
     plain = client.chat.completions.create(**kwargs)
     assert plain.choices[0].message.content == continuation
+    # With n = 2 the stream opens with both roles, then both echoes (vLLM's order).
+    body = {**kwargs, "n": 2, "temperature": 1.0, "max_tokens": 2, "echo": True, "stream": True}
+    with httpx.stream("POST", server_url(client, "chat", "completions"), json=body,
+                      timeout=60) as response:
+        opening = [json.loads(e)["choices"][0] for e in sse_events(response)[:4]]
+    assert [(c["index"], c["delta"]) for c in opening] == [
+        (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
+        (0, {"content": ", there was a kind duck"}), (1, {"content": ", there was a kind duck"}),
+    ]
+
+
+def server_url(client, *parts: str) -> str:
+    """A route of the server the client talks to ("v1" is in its base URL)."""
+    return str(client.base_url).rstrip("/") + "/" + "/".join(parts)
+
+
+def test_refusals_name_the_field_the_request_sent(server, client):
+    """The param of a 400 is the field the client sent: chat's
+    max_completion_tokens, n (not the best_of it stands for), and the text
+    field holding a lone surrogate (valid JSON, not Unicode text a tokenizer
+    takes: a 500 inside the tokenizer before)."""
+    def refused(route: tuple[str, ...], body: dict) -> dict:
+        # json.dumps escapes the surrogate ("\\ud800"); httpx's json= cannot encode it.
+        response = httpx.post(server.url_for(*route), content=json.dumps(body), timeout=30,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    chat = ("v1", "chat", "completions")
+    assert refused(chat, {**CHAT, "max_completion_tokens": 600})["param"] == "max_completion_tokens"
+    too_many = {**COMPLETION, "n": 300, "temperature": 1.0}
+    error = refused(("v1", "completions"), too_many)
+    assert error["param"] == "n" and error["message"].startswith("n=300 sequences")
+    assert refused(("v1", "completions"), {**COMPLETION, "prompt": "Once \ud800"})["param"] == (
+        "prompt"
+    )
+    lone = {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}
+    assert refused(chat, lone)["param"] == "messages"
+    assert refused(("tokenize",), {"prompt": "\ud800"})["param"] == "prompt"
+
+
+def test_empty_stream_options_ask_for_usage(server):
+    """vLLM's StreamOptions: include_usage defaults to true once the object
+    is given; an empty one without stream is not refused."""
+    body = {**COMPLETION, "stream": True, "stream_options": {}}
+    with httpx.stream("POST", server.url_for("v1", "completions"), json=body, timeout=60) as r:
+        last = json.loads(sse_events(r)[-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    plain = httpx.post(server.url_for("v1", "completions"), timeout=60,
+                       json={**COMPLETION, "stream_options": {}})
+    assert plain.status_code == 200
 
 
 def test_streamed_chat_follows_the_wire_format(server, llm):
@@ -403,8 +454,9 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, llm):
     assert "".join(c.text for c in chunks) == prompt + completion.text
     merged = [t for c in chunks for t in c.logprobs.tokens]
     assert merged == full.choices[0].logprobs.tokens
-    # As vLLM's stream: the first chunk's offsets are the whole answer's; each
-    # later chunk's first token starts at the length of the text sent before it.
+    # The first chunk's offsets are the whole answer's; each later chunk's
+    # first token starts at the length of the text sent before it, the echoed
+    # prompt included (vLLM counts only the generated text: row 83).
     first = len(chunks[0].logprobs.tokens)
     assert chunks[0].logprobs.text_offset == full.choices[0].logprobs.text_offset[:first]
     for j, chunk in enumerate(chunks[1:], start=1):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -20,11 +21,13 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.openai.cli_args import make_arg_parser
 from tests.failing_scheduler import FAULT_MAX_TOKENS
+from tests.paced_scheduler import LONG_MAX_TOKENS
 from tests.server_utils import RemoteOpenAIServer
 
 pytestmark = pytest.mark.slow
 
 CLI = "minivllm.entrypoints.cli"  # the `minivllm` command
+MODEL = "minivllm-stories"  # the shipped model's name on a server
 
 
 def group_is_gone(server: RemoteOpenAIServer) -> bool:
@@ -193,3 +196,38 @@ def test_cors_flags_take_a_json_list_of_strings(value):
         "x-a", "x-b"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--allowed-origins", value])
+
+
+@pytest.mark.parametrize("engine", ["classic", "v1"])
+def test_a_client_that_gives_up_while_queued_is_aborted(engine):
+    """One sequence at a time (--max-num-seqs 1) and a long request running:
+    a second request waits in the queue. Its client gives up after half a
+    second, plain and then streamed. The server asks whether the client is
+    still there while it waits for the engine (every second, as vLLM's
+    iterate_with_cancellation), so the request leaves the queue within
+    seconds, long before the long one ends, and none of it is computed."""
+    paced = "LongRequestPacedV1Scheduler" if engine == "v1" else "LongRequestPacedScheduler"
+    flags = ["--max-num-seqs", "1", "--scheduler-cls", f"tests.paced_scheduler.{paced}"]
+    with RemoteOpenAIServer(flags + (["--use-v1"] if engine == "v1" else [])) as server:
+        url = server.url_for("v1", "completions")
+        long_body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG_MAX_TOKENS,
+                     "ignore_eos": True}
+        blocker = threading.Thread(target=lambda: httpx.post(url, json=long_body, timeout=120))
+        blocker.start()
+        deadline = time.monotonic() + 30
+        while server.metrics()["vllm:generation_tokens_total"] < 2:  # running, not queued
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.05)
+        before = server.metrics()
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": "The little dog", "max_tokens": 5, "stream": stream}
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(url, json=body, timeout=0.5)
+            deadline = time.monotonic() + 5
+            while server.metrics()["vllm:num_requests_waiting"] > 0:
+                assert time.monotonic() < deadline, f"the queued request (stream={stream}) stayed"
+                time.sleep(0.1)
+        after = server.metrics()
+        assert after["vllm:num_requests_running"] == 1  # the long request, still running
+        assert after["vllm:prompt_tokens_total"] == before["vllm:prompt_tokens_total"]
+        blocker.join()

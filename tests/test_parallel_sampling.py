@@ -125,7 +125,12 @@ def test_parallel_sampling_arguments_are_checked(tiny_model_dir):
     with pytest.raises(ValueError, match="n and best_of must be 1 when sampling greedily"):
         SamplingParams(temperature=0, n=1, best_of=2)
     llm = LLM(tiny_model_dir("llama"), max_num_seqs=4)
+    # Named as the request asked: n, or best_of when it was given beyond n.
+    with pytest.raises(
+        ValueError, match="n=5 sequences can never run together under max_num_seqs=4"
+    ):
+        llm.llm_engine.add_request("x", "hi", SamplingParams(n=5))
     with pytest.raises(
         ValueError, match="best_of=5 sequences can never run together under max_num_seqs=4"
     ):
-        llm.llm_engine.add_request("x", "hi", SamplingParams(n=5))
+        llm.llm_engine.add_request("x", "hi", SamplingParams(n=2, best_of=5, temperature=1.0))

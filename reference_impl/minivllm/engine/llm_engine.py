@@ -200,8 +200,9 @@ class LLMEngine:
             )
         max_num_seqs = self.scheduler_config.max_num_seqs
         if params.best_of > max_num_seqs:
+            name = "best_of" if params.best_of > params.n else "n"  # the one that asked
             raise ValueError(
-                f"Request {request_id!r}: best_of={params.best_of} sequences can never run "
+                f"Request {request_id!r}: {name}={params.best_of} sequences can never run "
                 f"together under max_num_seqs={max_num_seqs}"
             )
         if params.prompt_logprobs is not None and self.cache_config.enable_prefix_caching:

@@ -115,7 +115,7 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
+    include_usage: bool | None = True  # vLLM's default, once stream_options is given
 
 
 # -- the sampling fields both endpoints share -----------------------------------
@@ -154,7 +154,10 @@ class SamplingRequest(OpenAIBaseModel):
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
+        # (vLLM refuses it only when it holds something: {} passes.)
+        if self.stream_options is not None and self.stream_options.model_fields_set and not (
+            self.stream
+        ):
             raise ValueError("stream_options can only be given with stream=true")
         return self
 

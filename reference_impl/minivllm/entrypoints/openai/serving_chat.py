@@ -35,12 +35,14 @@ from minivllm.entrypoints.openai.protocol import (
 from minivllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChoiceProgress,
+    ClientDisconnected,
     OpenAIServing,
     json_logprob,
     logprob_token,
     sampling_params_of,
     sse,
     sse_usage,
+    until_disconnected,
     with_first,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -53,25 +55,33 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         params = sampling_params_of(request)
         prompt = self.apply_chat_template(request.messages, request.add_generation_prompt)
-        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
-        self.check_prompt_tokens(prompt_ids, params.max_tokens)
+        prompt_ids = self.encode(
+            prompt, "messages", add_special_tokens=request.add_special_tokens
+        )
+        max_tokens_field = (
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        )
+        self.check_prompt_tokens(prompt_ids, params.max_tokens, max_tokens_field)
         await self.check_engine()  # a stopped engine: 503, before any stream
         request_id = f"chatcmpl-{random_uuid()}"
         created = int(time.time())
-        results = self.engine.generate(
-            request.engine_prompt(prompt, prompt_ids), params, request_id
+        results = until_disconnected(
+            self.engine.generate(request.engine_prompt(prompt, prompt_ids), params, request_id),
+            raw_request,
         )
-        first = await self.first_output(results, request)
+        try:
+            first = await self.first_output(results, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
         if request.stream:
             stream = self._stream(request, first, results, request_id, created)
             return StreamingResponse(stream, media_type="text/event-stream")
         final = first
         try:
             async for output in with_first(first, results):
-                if await raw_request.is_disconnected():
-                    await results.aclose()  # aborts the request
-                    return Response(status_code=499)
                 final = output
+        except ClientDisconnected:
+            return Response(status_code=499)
         except Exception as e:
             raise self.engine_error(e, request) from e
         return JSONResponse(self._full_response(request, final, request_id, created))
@@ -134,12 +144,13 @@ class OpenAIServingChat(OpenAIServing):
         progress = [ChoiceProgress() for _ in range(n)]
         try:
             echoed = self._echoed(request)
+            # Every choice's role, then every choice's echo (vLLM's order).
             for index in range(n):
                 role = DeltaMessage(role=self.get_chat_request_role(request), content="")
                 yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=role))
-                if echoed:
-                    echo = DeltaMessage(content=echoed)
-                    yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=echo))
+            for index in range(n if echoed else 0):
+                echo = DeltaMessage(content=echoed)
+                yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=echo))
             async for output in with_first(first, results):
                 for completion in output.outputs:
                     state = progress[completion.index]
@@ -170,6 +181,8 @@ class OpenAIServingChat(OpenAIServing):
                         usage=usage,
                     )
                 )
+        except ClientDisconnected:  # no one to tell: the request is aborted
+            return
         except Exception as e:  # the engine failed mid-stream: tell the client
             yield self.sse_error(e, request)
         yield SSE_DONE

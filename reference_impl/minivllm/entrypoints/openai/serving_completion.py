@@ -29,6 +29,7 @@ from minivllm.entrypoints.openai.protocol import (
 from minivllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChoiceProgress,
+    ClientDisconnected,
     OpenAIError,
     OpenAIServing,
     json_logprob,
@@ -37,6 +38,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     sampling_params_of,
     sse,
     sse_usage,
+    until_disconnected,
     with_first,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -51,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         await self.check_engine()  # a stopped engine: 503, before any stream
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
-        results = merge_async_iterators(
+        merged = merge_async_iterators(
             *(
                 self.engine.generate(
                     request.engine_prompt(text, ids), params, f"{request_id}-{i}"
@@ -59,17 +61,20 @@ class OpenAIServingCompletion(OpenAIServing):
                 for i, (text, ids) in enumerate(prompts)
             )
         )
-        first = await self.first_output(results, request, lambda item: item[1])
+        results = until_disconnected(merged, raw_request)
+        try:
+            first = await self.first_output(results, request, lambda item: item[1])
+        except ClientDisconnected:
+            return Response(status_code=499)
         if request.stream:
             stream = self._stream(request, first, results, request_id, created, prompts)
             return StreamingResponse(stream, media_type="text/event-stream")
         finals: dict[int, RequestOutput] = {}
         try:
             async for prompt_index, output in with_first(first, results):
-                if await raw_request.is_disconnected():
-                    await results.aclose()  # aborts the requests
-                    return Response(status_code=499)
                 finals[prompt_index] = output
+        except ClientDisconnected:
+            return Response(status_code=499)
         except Exception as e:
             raise self.engine_error(e, request) from e
         return JSONResponse(self._full_response(request, finals, request_id, created, prompts))
@@ -83,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("prompt must not be an empty list", param="prompt")
         prompts = []
         for p in prompt:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+            ids = self.encode(p, "prompt") if isinstance(p, str) else p
             self.check_prompt_tokens(ids, max_tokens)
             prompts.append((p if isinstance(p, str) else self.tokenizer.decode(ids), ids))
         return prompts
@@ -168,6 +173,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     id=request_id, created=created, model=self.model_name, choices=[], usage=usage
                 )
                 yield sse_usage(chunk)
+        except ClientDisconnected:  # no one to tell: the request is aborted
+            return
         except Exception as e:  # the engine failed mid-stream: tell the client
             yield self.sse_error(e, request)
         yield SSE_DONE

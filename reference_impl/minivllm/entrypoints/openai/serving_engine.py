@@ -13,6 +13,7 @@ app's exception handler (api_server.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TypeVar
 
+from fastapi import Request
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
@@ -137,9 +139,28 @@ class OpenAIServing:
         except Exception as e:
             raise OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE) from e
 
-    def check_prompt_tokens(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
+    def encode(self, text: str, param: str, **kwargs) -> list[int]:
+        """`text`'s token ids; text that is not valid Unicode (JSON can carry
+        a lone surrogate, "\\ud800", which no tokenizer takes) is a 400 naming
+        the request's field, not an error inside the tokenizer."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise OpenAIError(
+                f"{param} is not valid Unicode text: {e.reason} at character {e.start}",
+                param=param,
+            ) from e
+        return self.tokenizer.encode(text, **kwargs)
+
+    def check_prompt_tokens(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int | None,
+        max_tokens_field: str = "max_tokens",
+    ) -> None:
         """The prompt, with room for max_tokens, must fit the model's context
-        (vLLM's check); every id must be in the vocabulary."""
+        (vLLM's check); every id must be in the vocabulary. `max_tokens_field`:
+        the name the request gave max_tokens (chat's max_completion_tokens)."""
         num = len(prompt_token_ids)
         if num == 0:
             raise OpenAIError("The prompt is empty (0 tokens).", param="prompt")
@@ -157,8 +178,8 @@ class OpenAIServing:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num + (max_tokens or 0)} tokens ({asked}). Reduce the prompt "
-                "or max_tokens.",
-                param="max_tokens" if max_tokens and num < self.max_model_len else "prompt",
+                f"or {max_tokens_field}.",
+                param=max_tokens_field if max_tokens and num < self.max_model_len else "prompt",
             )
 
     def apply_chat_template(
@@ -218,6 +239,8 @@ class OpenAIServing:
                 output = output_of(item)
                 if output.finished or any(c.token_ids for c in output.outputs):
                     return item
+        except ClientDisconnected:
+            raise
         except Exception as e:
             await results.aclose()
             raise self.engine_error(e, request) from e
@@ -317,6 +340,52 @@ def sse_usage(chunk: BaseModel) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before its answer was complete."""
+
+
+# How often a handler waiting for the engine asks whether its client is still there.
+DISCONNECT_CHECK_S = 1.0
+
+
+async def until_disconnected(
+    results: AsyncGenerator[T, None], raw_request: Request
+) -> AsyncGenerator[T, None]:
+    """`results` item by item, asking at most every DISCONNECT_CHECK_S
+    whether the client is still there, also while it waits for the engine
+    (vLLM's `iterate_with_cancellation`): a request still queued behind
+    others is aborted when its client gives up, not when its turn comes.
+    On a hang-up it raises ClientDisconnected; either way, whenever it stops
+    early, the read in progress is cancelled and `results` closed, which
+    aborts the request."""
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_CHECK_S
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = asyncio.ensure_future(anext(results))
+            while True:
+                await asyncio.wait({pending}, timeout=DISCONNECT_CHECK_S)
+                if loop.time() >= next_check:
+                    if await raw_request.is_disconnected():
+                        raise ClientDisconnected
+                    next_check = loop.time() + DISCONNECT_CHECK_S
+                if pending.done():
+                    break
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()  # the request's generator aborts it as it unwinds
+            with contextlib.suppress(BaseException):
+                await pending
+        await results.aclose()
 
 
 _DONE = object()

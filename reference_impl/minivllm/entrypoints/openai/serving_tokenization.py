@@ -22,9 +22,10 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             text = self.apply_chat_template(request.messages, request.add_generation_prompt)
+            field = "messages"
         else:
-            text = request.prompt
-        tokens = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+            text, field = request.prompt, "prompt"
+        tokens = self.encode(text, field, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
     def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
