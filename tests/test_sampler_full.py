@@ -295,10 +295,12 @@ def test_a_token_tied_with_others_ranks_and_is_named_as_its_vllm_does(
 ):
     """With the LM head zeroed, every logit is 0: every token ties with all
     the others. Greedy takes token 0 (the first maximum), the tokenizer's
-    special `<s>`. v0.6 ranks it 1 (no token is strictly more likely); V1
-    counts every token at least as likely, itself included, so it ranks last,
-    at the vocabulary's size. And with skip_special_tokens (the default) v0.6
-    names it '', V1 by its text."""
+    special `<s>`. v0.6 ranks it 1 (no token is strictly more likely). V1
+    counts every token at least as likely, itself included, so it would rank
+    last, at the vocabulary's size; but token 0 is also the first of the top
+    2 (torch.topk lists ties by index), and V1's entry for a token in both is
+    the top one's, ranked 1; alone (logprobs=0) it shows. And with
+    skip_special_tokens (the default) v0.6 names it '', V1 by its text."""
     hf = hf_model("llama")
     zeroed = type(hf)(hf.config)
     zeroed.load_state_dict(hf.state_dict())
@@ -314,8 +316,12 @@ def test_a_token_tied_with_others_ranks_and_is_named_as_its_vllm_does(
     assert out.token_ids == [0, 0] and special == "<s>" and out.text == ""
     for entry in out.logprobs:
         assert entry[0].logprob == pytest.approx(-math.log(vocab_size))
-        assert entry[0].rank == (vocab_size if use_v1 else 1)
+        assert entry[0].rank == 1 and entry[1].rank == 2
         assert entry[0].decoded_token == (special if use_v1 else "")
+    # With logprobs=0 the sampled token's own rank shows: V1's counts its ties.
+    alone = SamplingParams(temperature=0, max_tokens=2, logprobs=0, ignore_eos=True)
+    for entry in llm.generate([[5, 6, 7]], alone, use_tqdm=False)[0].outputs[0].logprobs:
+        assert list(entry) == [0] and entry[0].rank == (vocab_size if use_v1 else 1)
 
 
 def test_no_logprobs_unless_asked(llm):

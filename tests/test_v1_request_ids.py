@@ -313,3 +313,22 @@ def test_shutdown_outside_a_stopped_loop_closes_the_sockets_now(loop):
     resources = llm.engine_core.resources
     assert resources.output_socket.closed and resources.input_socket.closed
     assert resources.ctx.closed
+
+
+def test_a_request_aborted_before_its_first_output_ends_with_zero_cached_tokens(alone):
+    """AsyncLLM's last output for an abort comes from the front end alone; a
+    request the engine core never reported on has 0 cached tokens in it (vLLM's
+    RequestState starts at 0), not None."""
+    from minivllm.v1.engine import EngineCoreRequest
+    from minivllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+
+    tokenizer = alone.llm.get_tokenizer()
+    processor = OutputProcessor(tokenizer)
+    request = EngineCoreRequest("a", tokenizer.encode("Once"), SamplingParams(), None, 0.0,
+                                external_req_id="a")
+    queue = RequestOutputCollector("a")
+    processor.add_request(request, "Once", queue=queue)
+    processor.abort_requests(["a"])
+    output = queue.get_nowait()
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert output.num_cached_tokens == 0 and output.outputs[0].token_ids == []

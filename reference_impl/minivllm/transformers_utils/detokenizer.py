@@ -141,9 +141,12 @@ class Detokenizer:
         """Set each candidate's decoded_token: the text it adds after `context`.
 
         The text is what differs from the context's own decode, so a token
-        that completes a multi-byte character shows the whole character.
+        that completes a multi-byte character shows the whole character, and
+        one that leaves it incomplete shows nothing ("", not U+FFFD): vLLM's
+        rule, v0.6's (`detokenize_incrementally`) and V1's alike.
         """
         before = self._decode(context, params, skip_special_tokens)
         for token_id, logprob in logprobs.items():
             after = self._decode(context + [token_id], params, skip_special_tokens)
-            logprob.decoded_token = after[len(os.path.commonprefix([before, after])) :]
+            text = after[len(os.path.commonprefix([before, after])) :]
+            logprob.decoded_token = "" if text.endswith(_REPLACEMENT_CHAR) else text

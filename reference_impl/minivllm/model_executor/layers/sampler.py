@@ -162,6 +162,9 @@ def get_position_logprobs(
     do: v0.6's sampler ranks it 1 + the tokens strictly more likely (ahead of
     its ties); V1 (`rank_after_ties`) counts every token at least as likely,
     itself included (`batched_count_greater_than`), so it ranks after them.
+    And a given token that is also among the top ones: v0.6 keeps its own
+    entry; V1 builds the dict from [given, top...], so the top entry, ranked
+    by its place, replaces it (the two ranks differ only on ties).
     """
     chosen = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
     chosen_logprobs = logprobs.gather(-1, chosen.unsqueeze(-1))  # [num_rows, 1]
@@ -176,7 +179,11 @@ def get_position_logprobs(
     for row, token_id in enumerate(token_ids):
         entry = {token_id: Logprob(chosen_logprobs[row], ranks[row])}
         for rank in range(num_top[row]):
-            entry.setdefault(top_ids[row][rank], Logprob(top_logprobs[row][rank], rank + 1))
+            top = Logprob(top_logprobs[row][rank], rank + 1)
+            if rank_after_ties:
+                entry[top_ids[row][rank]] = top
+            else:
+                entry.setdefault(top_ids[row][rank], top)
         result.append(entry)
     return result
 

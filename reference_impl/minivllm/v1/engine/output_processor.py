@@ -127,7 +127,7 @@ class RequestState:
     index: int = 0  # the child's place among its parent's n
     queue: RequestOutputCollector | None = None  # AsyncLLM's; LLMEngine's step returns them
     cumulative_logprob: float = 0.0
-    num_cached_tokens: int | None = None
+    num_cached_tokens: int = 0  # vLLM's start: an abort before any output reports 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
 
