@@ -298,3 +298,38 @@ def test_a_prompt_filling_max_model_len_is_refused_and_one_shorter_runs(
     (out,) = llm.generate([{"prompt_token_ids": [5] * 31}], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
     assert_all_blocks_free(llm)
+
+
+def test_an_abort_that_arrives_during_a_step_takes_the_requests_output_away(
+    tiny_model_dir, monkeypatch
+):
+    """vLLM's EngineCore applies aborts that came in while the model ran
+    (its aborts queue) before it makes the step's outputs: the aborted
+    request gets nothing from that step, and is gone; the other request's
+    tokens are those it gets alone. The abort is put where EngineCoreProc's
+    input thread puts it, while the model runs."""
+    llm = LLM(tiny_model_dir("llama"), use_v1=True, max_model_len=128)
+    core = engine_core(llm)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    for rid, prompt in (("a", [9, 10, 11, 12]), ("b", [5, 6, 7])):
+        llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    core.step()  # both prefilled
+    execute = core.model_executor.execute_model
+
+    def abort_a_meanwhile(scheduler_output):
+        output = execute(scheduler_output)
+        core.aborts_queue.put_nowait(["a"])
+        return output
+
+    monkeypatch.setattr(core.model_executor, "execute_model", abort_a_meanwhile)
+    outputs, ran = core.step()
+    assert ran and [o.request_id for o in outputs.outputs] == ["b"]
+    assert "a" not in core.scheduler.requests and "a" in core.scheduler.finished_req_ids
+    monkeypatch.setattr(core.model_executor, "execute_model", execute)
+    core.abort_requests(["a"])  # the input queue's copy: nothing left to do
+    tokens = [*outputs.outputs[0].new_token_ids]
+    while core.scheduler.has_unfinished_requests():
+        tokens += [t for o in core.step()[0].outputs for t in o.new_token_ids]
+    assert len(tokens) == params.max_tokens - 1  # b's first token came at the prefill step
+    assert tokens == alone[0].outputs[0].token_ids[1:]

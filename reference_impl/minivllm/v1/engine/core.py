@@ -69,6 +69,11 @@ class EngineCore:
             if cache_config.enable_prefix_caching
             else None
         )
+        # Aborts that arrive while a step runs (EngineCoreProc's input thread
+        # puts each here as well as in its input queue): applied before the
+        # step's outputs are made, so a request aborted while the model ran
+        # gets nothing from that step (vLLM's _process_aborts_queue).
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
 
     def _initialize_kv_caches(self) -> None:
         """Size the KV cache from the worker's memory budget; refuse one that
@@ -100,8 +105,20 @@ class EngineCore:
             return EngineCoreOutputs(), False
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_executor.execute_model(scheduler_output)
+        self._process_aborts_queue()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _process_aborts_queue(self) -> None:
+        """Abort, in one batch, whatever was aborted during the step. The
+        same aborts come again through the input queue, in their order
+        among the other messages (an abort of a request whose ADD is still
+        queued must wait for it); finishing a request twice does nothing."""
+        request_ids: list[str] = []
+        while not self.aborts_queue.empty():
+            request_ids += self.aborts_queue.get_nowait()
+        if request_ids:
+            self.abort_requests(request_ids)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """See `Scheduler.reset_prefix_cache`. Called between two steps, so
@@ -286,7 +303,10 @@ class EngineCoreProc(EngineCore):
                     continue
                 request_type, payload = socket.recv_multipart()
                 request = pickle.loads(payload)
-                self.input_queue.put_nowait((EngineCoreRequestType(request_type), request))
+                request_type = EngineCoreRequestType(request_type)
+                if request_type is EngineCoreRequestType.ABORT:
+                    self.aborts_queue.put_nowait(request)  # for a step running now
+                self.input_queue.put_nowait((request_type, request))
 
     def process_output_sockets(self, output_address: str) -> None:
         """Output thread: sends until told to stop. Linger a little on
