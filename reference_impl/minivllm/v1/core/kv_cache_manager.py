@@ -133,19 +133,17 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens, self.max_model_len)
-        num_new_blocks = (
-            cdiv(num_tokens_need_slot, self.block_size) - len(req_blocks) - len(new_computed)
-        )
+        num_held = len(req_blocks) + len(new_computed)
+        num_new_blocks = cdiv(num_tokens_need_slot, self.block_size) - num_held
+        # The blocks that must be free: this step's, or all the request's.
+        num_tokens_to_fit = num_tokens_need_slot
+        if full_sequence_must_fit:
+            num_tokens_to_fit = max(num_tokens_to_fit, min(request.num_tokens, self.max_model_len))
+        num_blocks_to_fit = cdiv(num_tokens_to_fit, self.block_size) - num_held
         # A cached block that nobody holds sits in the free queue: taking it
         # into use removes it from there, so it counts against the free blocks.
         num_evictable_computed = sum(b.ref_cnt == 0 and not b.is_null for b in new_computed)
-        num_free_blocks = self.block_pool.get_num_free_blocks()
-        if full_sequence_must_fit:
-            num_tokens = min(request.num_tokens, self.max_model_len)
-            num_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks) - len(new_computed)
-            if num_blocks + num_evictable_computed > num_free_blocks:
-                return None
-        if num_new_blocks + num_evictable_computed > num_free_blocks:
+        if num_blocks_to_fit + num_evictable_computed > self.block_pool.get_num_free_blocks():
             return None
 
         if self.enable_caching:
