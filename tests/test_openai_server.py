@@ -238,7 +238,7 @@ def test_chat_without_a_limit_runs_to_eos(client, llm):
     assert result.choices[0].finish_reason == "stop"
 
 
-def test_chat_echo_continues_the_assistant_message(client, llm):
+def test_chat_echo_continues_the_assistant_message(server, client, llm):
     """With the story template a last assistant message is continued; echo
     puts it in front of the answer (vLLM's echo), streamed or not."""
     messages = [
@@ -262,18 +262,13 @@ def test_chat_echo_continues_the_assistant_message(client, llm):
     assert plain.choices[0].message.content == continuation
     # With n = 2 the stream opens with both roles, then both echoes (vLLM's order).
     body = {**kwargs, "n": 2, "temperature": 1.0, "max_tokens": 2, "echo": True, "stream": True}
-    with httpx.stream("POST", server_url(client, "chat", "completions"), json=body,
+    with httpx.stream("POST", server.url_for("v1", "chat", "completions"), json=body,
                       timeout=60) as response:
         opening = [json.loads(e)["choices"][0] for e in sse_events(response)[:4]]
     assert [(c["index"], c["delta"]) for c in opening] == [
         (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
         (0, {"content": ", there was a kind duck"}), (1, {"content": ", there was a kind duck"}),
     ]
-
-
-def server_url(client, *parts: str) -> str:
-    """A route of the server the client talks to ("v1" is in its base URL)."""
-    return str(client.base_url).rstrip("/") + "/" + "/".join(parts)
 
 
 def test_refusals_name_the_field_the_request_sent(server, client):
