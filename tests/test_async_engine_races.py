@@ -95,17 +95,24 @@ def test_the_tracker_holds_a_reused_id_back_until_its_abort_has_reached_the_engi
     assert not new.finished
 
 
+async def run_then_abort_a(model: str):
+    """An engine with a FinalSpy, where request "a" has started (its first
+    output read) and has just been aborted: (engine, spy, a's generator)."""
+    engine = make_engine(model)
+    spy = FinalSpy()
+    engine.add_logger("spy", spy)
+    old = engine.generate(OLD_PROMPT, LONG, "a")
+    await anext(old)
+    await engine.abort("a")
+    return engine, spy, old
+
+
 def test_a_new_request_reusing_an_aborted_id_runs_and_the_old_one_is_aborted(model, short_tokens):
     """abort("a") then a new "a" before the next step: the old request is
     aborted (its blocks freed), the new one runs to its own end."""
 
     async def main():
-        engine = make_engine(model)
-        spy = FinalSpy()
-        engine.add_logger("spy", spy)
-        old = engine.generate(OLD_PROMPT, LONG, "a")
-        await anext(old)
-        await engine.abort("a")
+        engine, spy, old = await run_then_abort_a(model)
         stream = engine.add_request("a", NEW_PROMPT, SHORT)  # in the same tick as the abort
         new = await asyncio.wait_for(drain(stream), 30)
         with pytest.raises(asyncio.CancelledError):
@@ -127,12 +134,8 @@ def test_aborting_a_queued_reused_id_cancels_only_that_request(model, short_toke
     queued new request alone, and the newest still runs."""
 
     async def main():
-        engine = make_engine(model)
-        spy = FinalSpy()
-        engine.add_logger("spy", spy)
-        old = engine.generate(OLD_PROMPT, LONG, "a")
-        await anext(old)
-        await engine.abort("a")
+        # (old is kept: a dropped generator would abort "a" when collected)
+        engine, spy, old = await run_then_abort_a(model)
         queued = engine.add_request("a", NEW_PROMPT, SHORT)
         await engine.abort("a")
         newest = await asyncio.wait_for(collect(engine, "a"), 30)
