@@ -236,6 +236,26 @@ def test_logprobs_equal_offline(client, llm):
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt_on_either_engine(client, llm):
+    """echo with max_tokens=0 and logprobs: the prompt's logprobs, which the
+    server takes from prompt_logprobs (on V1 computed in the worker, chunk
+    by chunk, without reading the prefix cache): those of the offline engine
+    of the same kind."""
+    prompt, k = PROMPTS[2], 2
+    expected = offline(llm, prompt, max_tokens=1, temperature=0, prompt_logprobs=k)
+    ids = expected.prompt_token_ids
+    for _ in range(2):  # the second run's prompt is cached: V1 computes it again
+        result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                           logprobs=k, temperature=0)
+        lp = result.choices[0].logprobs
+        assert result.choices[0].text == prompt
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+        for got, token_id, position in zip(lp.token_logprobs[1:], ids[1:],
+                                           expected.prompt_logprobs[1:], strict=True):
+            assert math.isclose(got, position[token_id].logprob, rel_tol=1e-5, abs_tol=1e-6)
+        assert all(k <= len(top) <= k + 1 for top in lp.top_logprobs[1:])
+
+
 # -- refusals ------------------------------------------------------------------------
 
 

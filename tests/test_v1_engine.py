@@ -257,7 +257,6 @@ def test_a_failed_step_kills_the_engine_instead_of_serving_wrong_tokens(
     "options, params, match",
     [
         ({}, SamplingParams(n=1, best_of=2, temperature=1), "best_of=2 is not supported by the V1"),
-        ({}, SamplingParams(prompt_logprobs=1), "prompt_logprobs is not supported"),
         ({"preemption_mode": "swap"}, None, "preemption_mode='swap': V1 preempts by recompute"),
         ({"dry_run": True}, None, "dry_run=True runs on the classic engine only"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, None,

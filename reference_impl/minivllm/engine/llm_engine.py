@@ -468,4 +468,6 @@ class LLMEngine:
         first = seq_group.get_seqs(SequenceStatus.RUNNING)[0].data.num_computed_tokens + 1
         known = len(seq_group.prompt_logprobs)
         seq_group.prompt_logprobs += prompt_logprobs[known - first :]
-        self.detokenizer.decode_prompt_logprobs_inplace(seq_group, known)
+        self.detokenizer.decode_prompt_logprobs_inplace(
+            seq_group.prompt_token_ids, seq_group.prompt_logprobs, known, seq_group.sampling_params
+        )

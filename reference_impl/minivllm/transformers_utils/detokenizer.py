@@ -32,7 +32,7 @@ import os
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import PositionLogprobs, Sequence, SequenceGroup
+from minivllm.sequence import PositionLogprobs, Sequence
 
 # What an incomplete UTF-8 sequence decodes to.
 _REPLACEMENT_CHAR = "\ufffd"
@@ -122,14 +122,20 @@ class Detokenizer:
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(token_ids)
         return len(new_text)
 
-    def decode_prompt_logprobs_inplace(self, seq_group: SequenceGroup, first: int) -> None:
-        """Name the candidates of the prompt logprobs from position `first` on."""
-        prompt = seq_group.prompt_token_ids
-        for position in range(first, len(seq_group.prompt_logprobs)):
-            context = prompt[max(position - _LOGPROB_CONTEXT_TOKENS, 0) : position]
-            self._decode_candidates(
-                seq_group.prompt_logprobs[position], context, seq_group.sampling_params
-            )
+    def decode_prompt_logprobs_inplace(
+        self,
+        prompt_token_ids: list[int],
+        prompt_logprobs: list[PositionLogprobs | None],
+        first: int,
+        params: SamplingParams,
+        name_special_candidates: bool = False,
+    ) -> None:
+        """Name the candidates of the prompt logprobs from position `first`
+        on (`name_special_candidates` as in `decode_sequence_inplace`)."""
+        skip = False if name_special_candidates else None
+        for position in range(first, len(prompt_logprobs)):
+            context = prompt_token_ids[max(position - _LOGPROB_CONTEXT_TOKENS, 0) : position]
+            self._decode_candidates(prompt_logprobs[position], context, params, skip)
 
     def _decode_candidates(
         self,

@@ -50,11 +50,14 @@ class EngineCoreRequest:
 @dataclass
 class EngineCoreOutput:
     """One request's news from one step: the tokens it gained (none for a
-    prompt chunk that did not finish the prompt) and, at the end, why."""
+    prompt chunk that did not finish the prompt) and, at the end, why.
+    With prompt_logprobs, the step that finishes the prompt also carries
+    them, all at once (the core sends nothing for the chunks before)."""
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[PositionLogprobs] | None = None
+    new_prompt_logprobs: list[PositionLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -70,11 +70,6 @@ class InputProcessor:
                 f"Request {request_id!r}: best_of={params.best_of} is not supported by the V1 "
                 "engine (vLLM V1 removed it); use n, or the classic engine"
             )
-        if params.prompt_logprobs is not None:
-            raise ValueError(
-                f"Request {request_id!r}: prompt_logprobs is not supported by minivllm's V1 "
-                "engine yet; use the classic engine"
-            )
         params = copy.deepcopy(params)
         eos_token_id = self.tokenizer.eos_token_id
         params.update_from_generation_config(self.eos_token_ids, eos_token_id)

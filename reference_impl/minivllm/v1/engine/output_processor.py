@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import RequestMetrics
+from minivllm.sequence import PositionLogprobs, RequestMetrics
 from minivllm.transformers_utils.detokenizer import Detokenizer
 from minivllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from minivllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -127,6 +127,9 @@ class RequestState:
     index: int = 0  # the child's place among its parent's n
     queue: RequestOutputCollector | None = None  # AsyncLLM's; LLMEngine's step returns them
     cumulative_logprob: float = 0.0
+    # With prompt_logprobs: [] until the core sends them, then None (nothing
+    # predicts the first token) and one entry per later prompt token.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # vLLM's start: an abort before any output reports 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
@@ -183,6 +186,7 @@ class OutputProcessor:
             parent,
             index,
             queue,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
             metrics=RequestMetrics(request.arrival_time),
         )
         if parent is not None:
@@ -269,6 +273,15 @@ class OutputProcessor:
             if output.new_logprobs is not None:
                 for token_id, entry in zip(output.new_token_ids, output.new_logprobs, strict=True):
                     state.cumulative_logprob += entry[token_id].logprob
+            if output.new_prompt_logprobs is not None:
+                state.prompt_logprobs = [None, *output.new_prompt_logprobs]
+                self.detokenizer.decode_prompt_logprobs_inplace(
+                    state.prompt_token_ids,
+                    state.prompt_logprobs,
+                    1,
+                    state.params,
+                    name_special_candidates=True,
+                )
             if finish_reason is not None:
                 metrics.finished_time = now
                 self._finish_request(state)
@@ -296,13 +309,14 @@ class OutputProcessor:
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason,
         )
+        prompt_logprobs = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
         parent = state.parent
         if parent is None:
             return RequestOutput(
                 state.external_req_id,
                 state.prompt,
                 list(state.prompt_token_ids),
-                None,
+                prompt_logprobs,
                 [completion],
                 finished,
                 state.metrics,
@@ -313,7 +327,7 @@ class OutputProcessor:
             parent.external_req_id,
             state.prompt,
             list(state.prompt_token_ids),
-            None,
+            prompt_logprobs,
             [parent.completions[i] for i in sorted(parent.completions)],
             parent.finished,
             state.metrics,

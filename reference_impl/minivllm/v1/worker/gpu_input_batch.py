@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import PositionLogprobs
 from minivllm.v1.worker.block_table import BlockTable
 
 
@@ -33,6 +34,10 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int]
+    # With prompt_logprobs: per prompt position from the second, its logprobs
+    # as chunks compute them (None until then). On the request, not its row,
+    # so a request preempted mid-prompt keeps them (vLLM PR #41411).
+    in_progress_prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def num_tokens(self) -> int:

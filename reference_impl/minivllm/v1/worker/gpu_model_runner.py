@@ -12,7 +12,8 @@ Each step it
 3. runs the model, computes logits for the last token of every request
    that reaches the end of its known tokens, samples, and appends the
    sampled tokens to the batch itself (the scheduler does not send them
-   back).
+   back); for a request that asked for `prompt_logprobs`, also the logits
+   of its prompt positions, chunk by chunk.
 
 It shares the classic engine's models, attention backends and sampler.
 Our attention contract (attention/backends/abstract.py) wants requests with
@@ -37,7 +38,7 @@ from minivllm.model_executor.layers.sampler import Sampler, get_position_logprob
 from minivllm.model_executor.layers.utils import packed_gemm_layers
 from minivllm.model_executor.model_loader import get_model
 from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
-from minivllm.sequence import SequenceData
+from minivllm.sequence import PositionLogprobs, SequenceData
 from minivllm.utils import cdiv
 from minivllm.v1.core.sched.output import SchedulerOutput
 from minivllm.v1.outputs import ModelRunnerOutput
@@ -84,6 +85,9 @@ class GPUModelRunner:
         )
         self.sampler = Sampler(seed=model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests that want prompt logprobs and have not finished their
+        # prompt: request id -> how many top tokens per position.
+        self.num_prompt_logprobs: dict[str, int] = {}
         self.input_batch = InputBatch(
             max_num_reqs=scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -117,6 +121,7 @@ class GPUModelRunner:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
         # Running but not scheduled this step (out of budget, or preempted):
         # out of the batch, state kept for when it comes back. A resumed
@@ -145,6 +150,8 @@ class GPUModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=[],
             )
+            if params.prompt_logprobs is not None:
+                self.num_prompt_logprobs[new.req_id] = params.prompt_logprobs
             reqs_to_add.append(state)
 
         for i, req_id in enumerate(cached.req_ids):
@@ -270,7 +277,12 @@ class GPUModelRunner:
             for row, token in zip(sample_rows.tolist(), tokens, strict=True):
                 batch.append_token(row, token)
                 sampled[row] = [token]
-        return ModelRunnerOutput(req_ids, req_id_to_index, sampled, logprobs)
+        prompt_logprobs_dict = self._get_prompt_logprobs_dict(
+            hidden_states, scheduler_output.num_scheduled_tokens
+        )
+        return ModelRunnerOutput(
+            req_ids, req_id_to_index, sampled, logprobs, prompt_logprobs_dict
+        )
 
     def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray) -> list[int]:
         """One token per sampling row, by the classic engine's sampler: each
@@ -315,3 +327,53 @@ class GPUModelRunner:
         )
         for i, entry in zip(wanted, entries, strict=True):
             logprobs[sample_rows[i]] = entry
+
+    def _get_prompt_logprobs_dict(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        num_scheduled_tokens: dict[str, int],
+    ) -> dict[str, list[PositionLogprobs]]:
+        """The prompt logprobs of each request whose prompt this step
+        finished (vLLM's method of the same name), from the raw logits as
+        the sampled tokens' (`_add_logprobs`).
+
+        Position p's logits predict prompt token p + 1. A chunk of positions
+        [start, start + n) fills the entries of tokens start + 1 .. start + n,
+        which the request keeps until its prompt is done; the chunk with the
+        prompt's last token stops one position short, since that position
+        predicts the first output token. A request preempted in its prompt
+        starts again from position 0 and fills the same entries again.
+        """
+        completed: dict[str, list[PositionLogprobs]] = {}
+        if not self.num_prompt_logprobs:
+            return completed
+        inputs = self.last_inputs
+        query_starts = np.cumsum(inputs.num_scheduled_tokens) - inputs.num_scheduled_tokens
+        query_start = dict(zip(inputs.req_ids, query_starts.tolist(), strict=True))
+        for req_id, num_top in list(self.num_prompt_logprobs.items()):
+            num_tokens = num_scheduled_tokens.get(req_id)
+            if num_tokens is None:
+                continue  # not scheduled this step (preempted, or out of budget)
+            state = self.requests[req_id]
+            prompt = state.prompt_token_ids
+            if state.in_progress_prompt_logprobs is None:
+                state.in_progress_prompt_logprobs = [None] * (len(prompt) - 1)
+            start = state.num_computed_tokens
+            num_remaining = len(prompt) - 1 - start  # positions still to fill
+            num_logits = min(num_tokens, num_remaining)
+            if num_logits > 0:
+                offset = query_start[req_id]
+                # [num_logits, vocab_size]
+                logits = self.model.compute_logits(hidden_states[offset : offset + num_logits])
+                entries = get_position_logprobs(
+                    torch.log_softmax(logits.float(), dim=-1),
+                    prompt[start + 1 : start + 1 + num_logits],
+                    [num_top] * num_logits,
+                    rank_after_ties=True,
+                )
+                state.in_progress_prompt_logprobs[start : start + num_logits] = entries
+            if num_tokens > num_remaining:  # this chunk holds the prompt's last token
+                completed[req_id] = state.in_progress_prompt_logprobs
+                state.in_progress_prompt_logprobs = None
+                del self.num_prompt_logprobs[req_id]
+        return completed

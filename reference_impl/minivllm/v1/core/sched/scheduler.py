@@ -347,6 +347,7 @@ class Scheduler:
                         request_id=req_id,
                         new_token_ids=new_token_ids,
                         new_logprobs=new_logprobs,
+                        new_prompt_logprobs=model_runner_output.prompt_logprobs_dict.get(req_id),
                         finish_reason=finish_reason,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
