@@ -329,6 +329,9 @@ def test_streamed_chat_follows_the_wire_format(server, llm):
     assert all(set(c["choices"][0]["delta"]) == {"content"} for c in content)
     assert "".join(c["choices"][0]["delta"]["content"] for c in content) == expected.text
     assert [c["choices"][0]["finish_reason"] for c in content][-2:] == [None, "length"]
+    # stop_reason only on the last chunk, as vLLM's exclude_unset sends it
+    assert not any("stop_reason" in c["choices"][0] for c in [role, *content[:-1]])
+    assert content[-1]["choices"][0]["stop_reason"] is None
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
 
 

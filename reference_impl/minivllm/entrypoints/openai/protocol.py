@@ -367,11 +367,22 @@ class DeltaMessage(OpenAIBaseModel):
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    """A chunk's choice. `stop_reason` comes with the last chunk only (null
+    there when no stop string or token ended it): vLLM sends chat chunks
+    with `exclude_unset` and sets it only when the choice finishes."""
+
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @model_serializer(mode="wrap")
+    def _stop_reason_when_finished(self, handler):
+        fields = handler(self)
+        if self.finish_reason is None:
+            fields.pop("stop_reason", None)
+        return fields
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
