@@ -331,3 +331,76 @@ def test_v1_offline_engine_logs_stats_when_asked(disable_log_stats, tiny_model_d
     assert lines[1] == "Prefix cache hit rate: GPU: 0.00%, CPU: 0.00%"
     totals = stat_loggers.log_line
     assert (totals.total_prefill_tokens, totals.total_generation_tokens) == (16, 3)
+
+
+class PerStep:
+    """A stat logger that keeps each step's preemption count."""
+
+    def __init__(self) -> None:
+        self.preemptions: list[int] = []
+
+    def log(self, stats: Stats, request_outputs) -> None:
+        self.preemptions.append(stats.num_preemptions)
+
+
+def v1_preempting_run(tiny_model_dir, abort_b_after_step: int | None = None):
+    """V1, 4 usable blocks of 8 (5 less the null block): two 16-token
+    prompts take all 4 in step 1 (a1, b1); a's 17th token needs a 5th, so
+    step 2 preempts b, the tail of RUNNING (a2); b, which needs 3 blocks
+    for its 17 tokens, waits while a makes a3, a4 (steps 3-4) and finishes;
+    step 5 recomputes b and samples b2: that output brings b's PREEMPTED
+    event; b3, b4 in steps 6-7. Returns (the per-step logger, the engine,
+    the finished outputs by id)."""
+    llm = LLM(tiny_model_dir("llama"), use_v1=True, block_size=8, num_gpu_blocks_override=5,
+              max_model_len=32, disable_log_stats=False)
+    engine = llm.llm_engine
+    per_step = PerStep()
+    engine.stat_loggers.add_logger("per_step", per_step)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine.add_request("a", prompt(16), params)
+    engine.add_request("b", prompt(16, start=40), params)
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        steps += 1
+        if steps == abort_b_after_step:
+            engine.abort_request("b")
+    return per_step, engine, finished
+
+
+def test_v1_counts_a_preemption_when_the_request_next_makes_a_token(tiny_model_dir):
+    """vLLM V1's rule: the PREEMPTED event travels with b's next output, so
+    the counter moves in step 5, not in step 2 where the scheduler preempted
+    b (which the engine's own total, from SchedulerStats, counted)."""
+    per_step, engine, finished = v1_preempting_run(tiny_model_dir)
+    assert per_step.preemptions == [0, 0, 0, 0, 1, 0, 0]
+    assert engine.stat_loggers.log_line.total_preemptions == 1
+    assert engine.total_preemptions == 1
+    assert [len(finished[r].outputs[0].token_ids) for r in "ab"] == [4, 4]
+
+
+def test_v1_never_counts_the_preemption_of_a_request_aborted_before_it_runs_again(
+    tiny_model_dir,
+):
+    per_step, engine, finished = v1_preempting_run(tiny_model_dir, abort_b_after_step=3)
+    assert sum(per_step.preemptions) == 0
+    assert engine.stat_loggers.log_line.total_preemptions == 0
+    assert engine.total_preemptions == 1  # the scheduler's count: it did preempt b
+    assert list(finished) == ["a"]
+
+
+def test_v1_outputs_carry_the_time_a_request_first_left_the_queue(tiny_model_dir):
+    """With one request at a time (max_num_seqs=1), b waits for a: it is
+    first scheduled in the step after the one that finished a, so after a's
+    output was made, and its time in the queue is that wait. a is
+    scheduled in the step that makes its first token."""
+    llm = LLM(tiny_model_dir("llama"), use_v1=True, block_size=8, max_model_len=64,
+              max_num_seqs=1)
+    outputs = llm.generate([prompt(6), prompt(6, start=40)], SamplingParams(max_tokens=3, **GREEDY),
+                           use_tqdm=False)
+    a, b = (o.metrics for o in outputs)
+    for m in (a, b):
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
+    assert b.first_scheduled_time > a.finished_time
+    assert b.time_in_queue > a.finished_time - a.arrival_time - (b.arrival_time - a.arrival_time)

@@ -32,9 +32,9 @@ def count_preemptions(monkeypatch) -> list[str]:
     preempted: list[str] = []
     original = V1Scheduler._preempt_request
 
-    def spy(self, request):
+    def spy(self, request, *timestamp):
         preempted.append(request.request_id)
-        original(self, request)
+        original(self, request, *timestamp)
 
     monkeypatch.setattr(V1Scheduler, "_preempt_request", spy)
     return preempted

@@ -138,9 +138,9 @@ def test_a_request_preempted_in_and_after_its_prompt_gets_each_position_once(
     preempted: list[tuple[str, int]] = []
     original = scheduler._preempt_request
 
-    def spy(request):
+    def spy(request, *timestamp):
         preempted.append((request.request_id, request.num_computed_tokens))
-        original(request)
+        original(request, *timestamp)
 
     monkeypatch.setattr(scheduler, "_preempt_request", spy)
     for i, prompt in enumerate(prompts):

@@ -279,9 +279,9 @@ def spy_on_preemptions(engine, monkeypatch, preempted: list[str]) -> None:
     scheduler = engine.engine_core.engine_core.scheduler
     original = scheduler._preempt_request
 
-    def spy(request):
+    def spy(request, *timestamp):
         preempted.append(request.request_id)
-        original(request)
+        original(request, *timestamp)
 
     monkeypatch.setattr(scheduler, "_preempt_request", spy)
 

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.v1.core.kv_cache_utils import BlockHash
+from minivllm.v1.engine import EngineCoreEvent, EngineCoreEventType, FinishReason
 
 if TYPE_CHECKING:
-    from minivllm.v1.engine import EngineCoreRequest, FinishReason
+    from minivllm.v1.engine import EngineCoreRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -47,8 +48,6 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> FinishReason | None:
-        from minivllm.v1.engine import FinishReason
-
         return {
             RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
             RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
@@ -92,6 +91,9 @@ class Request:
         # scheduled (-1 until then): reported back to the client.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # What happened to it in the core since its last output (see
+        # EngineCoreEvent): the next output takes them to the front end.
+        self.events: list[EngineCoreEvent] = []
 
         # Hashed into the first block: see kv_cache_utils.generate_block_hash_extra_keys.
         self.cache_salt = cache_salt
@@ -113,6 +115,16 @@ class Request:
             block_hasher=block_hasher,
             cache_salt=request.cache_salt,
         )
+
+    def record_event(
+        self, event_type: EngineCoreEventType, timestamp: float | None = None
+    ) -> None:
+        self.events.append(EngineCoreEvent.new_event(event_type, timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """The events since the last call (None if none)."""
+        events, self.events = self.events, []
+        return events or None
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):

@@ -26,6 +26,29 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort")[self.value]
 
 
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1  # the engine core took the request
+    SCHEDULED = 2  # it left the waiting queue (first time, or resumed)
+    PREEMPTED = 3  # it went back to the waiting queue
+
+
+@dataclass
+class EngineCoreEvent:
+    """A moment of a request's life in the engine core, which only the
+    core sees; the front end times requests and counts preemptions from
+    them. vLLM stamps them with `time.monotonic()`; ours are wall-clock
+    (`time.time()`), the clock of the front end's `RequestMetrics`, so a
+    queue time is a difference of two times of one clock, core in another
+    process or not."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+    @classmethod
+    def new_event(cls, event_type: EngineCoreEventType, timestamp: float | None = None):
+        return cls(event_type, time.time() if timestamp is None else timestamp)
+
+
 @dataclass
 class EngineCoreRequest:
     """A request after the front end tokenized and checked it.
@@ -52,7 +75,9 @@ class EngineCoreOutput:
     """One request's news from one step: the tokens it gained (none for a
     prompt chunk that did not finish the prompt) and, at the end, why.
     With prompt_logprobs, the step that finishes the prompt also carries
-    them, all at once (the core sends nothing for the chunks before)."""
+    them, all at once (the core sends nothing for the chunks before).
+    `events`: the request's events since its last output (so a preemption
+    travels with the request's next token)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -61,6 +86,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:

@@ -26,7 +26,13 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import PositionLogprobs, RequestMetrics
 from minivllm.transformers_utils.detokenizer import Detokenizer
-from minivllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from minivllm.v1.engine import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+)
 from minivllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -258,6 +264,8 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted meanwhile
             metrics = state.metrics
+            if output.events and metrics.first_scheduled_time is None:
+                record_first_scheduling(metrics, output.events)
             if metrics.first_token_time is None and output.new_token_ids:
                 metrics.first_token_time = now
             metrics.last_token_time = now
@@ -333,3 +341,14 @@ class OutputProcessor:
             state.metrics,
             state.num_cached_tokens,
         )
+
+
+def record_first_scheduling(metrics: RequestMetrics, events: list[EngineCoreEvent]) -> None:
+    """The request's first SCHEDULED event, as the classic engine times it:
+    when it first left the queue, and its time in the queue since arrival
+    (vLLM V1's `scheduled_ts`; a resumed request's later ones are ignored)."""
+    for event in events:
+        if event.type == EngineCoreEventType.SCHEDULED:
+            metrics.first_scheduled_time = event.timestamp
+            metrics.time_in_queue = event.timestamp - metrics.arrival_time
+            return

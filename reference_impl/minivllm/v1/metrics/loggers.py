@@ -18,7 +18,9 @@ What V1 feeds, metric by metric (engine/metrics.py has the names):
                                             classic engine counts blocks; resumed
                                             requests' lookups left out); -1 with
                                             prefix caching off, as v0.6
-    vllm:num_preemptions_total              SchedulerStats.num_preempted_reqs
+    vllm:num_preemptions_total              IterationStats: the PREEMPTED events the
+                                            outputs brought (vLLM V1's rule: counted
+                                            when the request next makes a token)
     vllm:prompt_tokens_total                each request's prompt length when its first
                                             token comes (vLLM V1's rule; the classic
                                             engine counts prompt tokens computed, so a
@@ -104,7 +106,7 @@ class StatLoggerManager:
             cpu_cache_usage=0.0,  # no CPU block pool
             num_prefill_tokens=iteration_stats.num_prompt_tokens,
             num_decode_tokens=iteration_stats.num_generation_tokens,
-            num_preemptions=0 if scheduler_stats is None else scheduler_stats.num_preempted_reqs,
+            num_preemptions=iteration_stats.num_preempted_reqs,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             enable_prefix_caching=self.enable_prefix_caching,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minivllm.v1.engine import EngineCoreOutput
+    from minivllm.v1.engine import EngineCoreEvent, EngineCoreOutput
 
 
 @dataclass
@@ -55,6 +55,9 @@ class SchedulerStats:
     """One step: what it computed, and the scheduler's state after it."""
 
     num_scheduled_tokens: int = 0  # token positions the model ran
+    # Requests this step preempted (or a reset before it): not vLLM's, which
+    # counts preemptions from events (IterationStats); our totals of a run
+    # (LLMEngine.total_preemptions) read it, stats logged or not.
     num_preempted_reqs: int = 0
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -64,12 +67,13 @@ class SchedulerStats:
 
 @dataclass
 class IterationStats:
-    """What the front end counts of one step's outputs (the token counts of
-    vLLM's `IterationStats`; the request timings are in each output's
-    `RequestMetrics`)."""
+    """What the front end counts of one step's outputs (the token counts and
+    preemptions of vLLM's `IterationStats`; the request timings are in each
+    output's `RequestMetrics`)."""
 
     num_prompt_tokens: int = 0  # prompts of the requests that got their first token
     num_generation_tokens: int = 0
+    num_preempted_reqs: int = 0  # PREEMPTED events these outputs brought
 
     def update_from_output(self, num_new_tokens: int, is_prefilling: bool, prompt_len: int) -> None:
         """One request's output: its new tokens; its prompt, counted once,
@@ -78,6 +82,14 @@ class IterationStats:
         self.num_generation_tokens += num_new_tokens
         if is_prefilling and num_new_tokens:
             self.num_prompt_tokens += prompt_len
+
+    def update_from_events(self, events: Iterable[EngineCoreEvent]) -> None:
+        """A preemption counts when the request's next output brings its
+        event (vLLM's rule): never, for a request aborted before it runs
+        again."""
+        from minivllm.v1.engine import EngineCoreEventType  # (v1.engine imports this module)
+
+        self.num_preempted_reqs += sum(e.type == EngineCoreEventType.PREEMPTED for e in events)
 
 
 def iteration_stats_of(
@@ -96,4 +108,5 @@ def iteration_stats_of(
                 state.metrics.first_token_time is None,
                 len(state.prompt_token_ids),
             )
+            stats.update_from_events(output.events or ())
     return stats

@@ -32,6 +32,7 @@ ids, lengths; stop strings are the front end's) and frees finished requests.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 
 from minivllm.config import CacheConfig, SchedulerConfig
@@ -39,7 +40,7 @@ from minivllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minivllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from minivllm.v1.core.sched.utils import check_stop
-from minivllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from minivllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from minivllm.v1.metrics.stats import SchedulerStats
 from minivllm.v1.outputs import ModelRunnerOutput
 from minivllm.v1.request import Request, RequestStatus
@@ -78,6 +79,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
@@ -128,7 +130,7 @@ class Scheduler:
         every K/V computed so far is stale).
         """
         if reset_running_requests:
-            self._preempt_all_running()
+            self._preempt_all_running(time.time())
         reset = self.kv_cache_manager.reset_prefix_cache()
         if reset_running_requests and not reset:
             raise RuntimeError(
@@ -137,14 +139,14 @@ class Scheduler:
             )
         return reset
 
-    def _preempt_all_running(self) -> None:
+    def _preempt_all_running(self, timestamp: float) -> None:
         """Preempt every running request, the last first: each goes to the
         front of WAITING, so the first ends up first again. The worker's
         copy of them is now stale: as if they had not run in the last step,
         the next schedule sends their whole token lists, and the runner
         drops their rows and adds them back with their new blocks."""
         while self.running:
-            self._preempt_request(self.running.pop())
+            self._preempt_request(self.running.pop(), timestamp)
         self.prev_step_scheduled_req_ids.clear()
 
     # -- one step ---------------------------------------------------------
@@ -157,6 +159,7 @@ class Scheduler:
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         num_scheduled_tokens: dict[str, int] = {}
         token_budget = self.max_num_scheduled_tokens
+        scheduled_timestamp = time.time()  # one time for the step's events
 
         # 1. RUNNING requests.
         req_index = 0
@@ -185,7 +188,7 @@ class Scheduler:
                         req_index -= 1
                 else:
                     preempted_req = self.running.pop()
-                self._preempt_request(preempted_req)
+                self._preempt_request(preempted_req, scheduled_timestamp)
                 preempted_reqs.append(preempted_req)
                 if preempted_req is request:
                     break  # nothing left to preempt: it cannot run now
@@ -234,6 +237,7 @@ class Scheduler:
                 )
                 request = self.waiting.pop_request()
                 self.running.append(request)
+                request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
                 if request.status == RequestStatus.WAITING:
                     scheduled_new_reqs.append(request)
                 else:
@@ -270,15 +274,17 @@ class Scheduler:
         self._update_after_schedule(scheduler_output)
         return scheduler_output
 
-    def _preempt_request(self, request: Request) -> None:
+    def _preempt_request(self, request: Request, timestamp: float | None = None) -> None:
         """Free a running request's blocks and put it back at the front of
         WAITING; it will be computed again, finding what it can in the
-        prefix cache. (The caller has taken it out of RUNNING.)"""
+        prefix cache. (The caller has taken it out of RUNNING.) `timestamp`
+        stamps its PREEMPTED event: the step's time, or now."""
         assert request.status == RequestStatus.RUNNING
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
         self.waiting.prepend_request(request)
         self.reset_preempted_req_ids.add(request.request_id)
 
@@ -351,6 +357,7 @@ class Scheduler:
                         finish_reason=finish_reason,
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
+                        events=request.take_events(),
                     )
                 )
         if stopped_running_reqs:
