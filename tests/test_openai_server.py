@@ -81,6 +81,7 @@ def test_models_version_health(server, client):
     # Any origin may call it by default (vLLM's CORS defaults).
     r = httpx.get(server.url_for("v1", "models"), headers={"Origin": "http://page.example"})
     assert r.headers["access-control-allow-origin"] == "*"
+    assert "x-request-id" not in r.headers  # only with --enable-request-id-headers
     assert models[0].root.endswith("minivllm-stories")
     assert models[0].max_model_len == 512
     # vLLM's card lists one permission: sampling and logprobs allowed, fine-tuning not.

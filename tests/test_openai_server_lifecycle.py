@@ -50,6 +50,7 @@ def test_serve_command_with_an_api_key_and_no_chat_template(tiny_model_dir):
         "8",
         "--allowed-origins",
         '["http://page.example"]',
+        "--enable-request-id-headers",
     ]
     with RemoteOpenAIServer(args, module=CLI) as server:
         # A browser's preflight needs no key; only the allowed origin is let in.
@@ -69,6 +70,18 @@ def test_serve_command_with_an_api_key_and_no_chat_template(tiny_model_dir):
             assert r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(server.url_for("health")).status_code == 200
         assert httpx.get(server.url_for("metrics")).status_code == 200
+        # Every answer carries X-Request-Id: the request's own, refused or
+        # streamed, or a new random one.
+        mine = {"X-Request-Id": "trace-42"}
+        assert httpx.get(server.url_for("v1", "models"), headers=mine).headers[
+            "x-request-id"] == "trace-42"  # a 401
+        body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", server.url_for("v1", "completions"), json=body,
+                          headers={**mine, "Authorization": "Bearer sesame"}) as r:
+            assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+            assert list(r.iter_lines())[-2:] == ["data: [DONE]", ""]
+        ids = {httpx.get(server.url_for("health")).headers["x-request-id"] for _ in range(2)}
+        assert len(ids) == 2 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
         with pytest.raises(openai.AuthenticationError):
             server.get_client(api_key="wrong").models.list()
         client = server.get_client(api_key="sesame")

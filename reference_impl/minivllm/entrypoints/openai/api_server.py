@@ -32,6 +32,7 @@ import asyncio
 import hmac
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -43,7 +44,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import minivllm
 from minivllm import envs
@@ -95,10 +98,11 @@ def build_app(
     api_key: str | None = None,
     cors: CorsOptions = CorsOptions(),
     log_stats: bool = False,
+    request_id_headers: bool = False,
 ) -> FastAPI:
     """The app for one served model; `api_key` guards the /v1 routes;
     `log_stats`: force a stats log every `FORCE_LOG_INTERVAL_S` while it
-    runs (see `_force_log`)."""
+    runs (see `_force_log`); `request_id_headers`: see XRequestIdMiddleware."""
     engine = served.engine
     completion = OpenAIServingCompletion(served)
     chat = OpenAIServingChat(served)
@@ -169,9 +173,35 @@ def build_app(
         allow_methods=cors.allowed_methods,
         allow_headers=cors.allowed_headers,
     )
-    if api_key:  # added last, so it runs first; it lets preflights (OPTIONS) through
+    if api_key:  # added late, so it runs early; it lets preflights (OPTIONS) through
         _require_api_key(app, api_key)
+    if request_id_headers:  # outermost: refused requests get their id too
+        app.add_middleware(XRequestIdMiddleware)
     return app
+
+
+class XRequestIdMiddleware:
+    """--enable-request-id-headers (vLLM's): every HTTP response carries an
+    `X-Request-Id` header, the one the request sent or a new random id, so a
+    client or a proxy can match answers to requests in its logs. A plain
+    ASGI middleware, as vLLM's: it only adds a header to the response's
+    start, and leaves streams and disconnects alone."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("X-Request-Id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def _force_log(engine: EngineClient) -> None:
@@ -288,7 +318,8 @@ def init_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     return build_app(served, api_key=args.api_key or envs.MINIVLLM_API_KEY,
-                     cors=CorsOptions.from_cli_args(args), log_stats=not args.disable_log_stats)
+                     cors=CorsOptions.from_cli_args(args), log_stats=not args.disable_log_stats,
+                     request_id_headers=args.enable_request_id_headers)
 
 
 @asynccontextmanager

@@ -73,6 +73,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(prompt_tokens_details.cached_tokens; the V1 engine counts them)",
     )
     server.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer every HTTP request with an X-Request-Id header: the one it sent, or a "
+        "new random id",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
