@@ -1,10 +1,16 @@
 """Code samples of the curriculum (../shared/curriculum/) run on minivllm with
-only the import changed: the Day 3 state-machine exercise (patch
-`Sequence.set_status` to print every transition) and `__version__`."""
+only the import changed: `examples/offline_inference.py` (Day 1's first
+command), the Day 3 state-machine exercise (patch `Sequence.set_status` to
+print every transition), the Day 3 breakpoint in `LLM._add_request` and
+instrumentation of `step()` (`SchedulerOutputs.is_empty()`,
+`get_prompt_token_ids()`), and `__version__`."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -53,3 +59,70 @@ def test_preemption_transitions_are_seen_too(transitions, tiny_model_dir):
     path = [(old, new) for seq, old, new in transitions if seq == victim[0]]
     assert path[:3] == [("WAITING", "RUNNING"), ("RUNNING", "WAITING"), ("WAITING", "RUNNING")]
     assert path[-1] == ("RUNNING", "FINISHED_LENGTH_CAPPED")
+
+
+def test_the_first_example_runs_on_the_shipped_model():
+    result = subprocess.run(
+        [sys.executable, "examples/offline_inference.py"], capture_output=True, text=True,
+        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4 and all(line.startswith("Prompt: ") for line in lines)
+    assert lines[0].startswith("Prompt: 'Once upon a time', Generated text: '")
+
+
+def test_every_prompt_of_generate_passes_through_add_request(monkeypatch, tiny_model_dir):
+    """Day 3's breakpoint: `LLM._add_request` sees each prompt, in order,
+    and the id it returns is the one its output comes back with."""
+    llm = LLM(tiny_model_dir("llama"))
+    seen = []
+    original = LLM._add_request
+
+    def spy(self, prompt, params, priority=0):
+        request_id = original(self, prompt, params, priority)
+        seen.append((request_id, prompt["prompt_token_ids"]))
+        return request_id
+
+    monkeypatch.setattr(LLM, "_add_request", spy)
+    outputs = llm.generate([[5, 6], [7, 8, 9]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [tokens for _, tokens in seen] == [[5, 6], [7, 8, 9]]
+    assert [o.request_id for o in outputs] == [request_id for request_id, _ in seen]
+
+
+def test_a_step_can_be_instrumented_as_day_3_does(tiny_model_dir):
+    """Day 3 prints, per step, whether the scheduler's output is empty and
+    the prompt of each scheduled sequence: with nothing to run, the step is
+    empty (and `step()` does not call the workers, as vLLM's); with a
+    prompt, it is not."""
+    engine = LLM(tiny_model_dir("llama")).llm_engine
+    _, outputs = engine.scheduler.schedule()
+    assert outputs.is_empty()
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams())
+    _, outputs = engine.scheduler.schedule()
+    assert not outputs.is_empty()
+    [scheduled] = outputs.scheduled_seq_groups
+    [seq] = scheduled.seq_group.get_seqs()
+    assert seq.get_prompt_token_ids() == seq.data.get_prompt_token_ids() == [5, 6, 7]
+    assert (seq.get_prompt_len(), seq.get_output_len()) == (3, 0)
+
+
+def test_an_empty_step_does_not_call_the_workers(tiny_model_dir, monkeypatch):
+    """A step whose only news is an abort schedules nothing: the workers are
+    not called (vLLM's `step()` checks `is_empty()`), the abort comes out."""
+    engine = LLM(tiny_model_dir("llama")).llm_engine
+    calls = []
+    original = engine.model_executor.execute_model
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model_executor, "execute_model", counting)
+    engine.add_request("b", {"prompt_token_ids": [5, 6, 7]}, SamplingParams())
+    engine.abort_request("b")
+    [output] = engine.step()
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert calls == [] and not engine.has_unfinished_requests()
+    engine.add_request("c", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1))
+    assert engine.step()[0].finished and len(calls) == 1

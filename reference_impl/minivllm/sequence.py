@@ -87,6 +87,18 @@ class SequenceData:
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_prompt_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+    def get_output_token_ids(self) -> list[int]:
+        return self.output_token_ids
+
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -178,10 +190,13 @@ class Sequence:
         return self.data.get_len()
 
     def get_prompt_len(self) -> int:
-        return len(self.data.prompt_token_ids)
+        return self.data.get_prompt_len()
 
     def get_output_len(self) -> int:
-        return len(self.data.output_token_ids)
+        return self.data.get_output_len()
+
+    def get_prompt_token_ids(self) -> list[int]:
+        return self.data.get_prompt_token_ids()
 
     def get_token_ids(self) -> list[int]:
         return self.data.get_token_ids()
@@ -190,7 +205,7 @@ class Sequence:
         return self.data.get_last_token_id()
 
     def get_output_token_ids(self) -> list[int]:
-        return self.data.output_token_ids
+        return self.data.get_output_token_ids()
 
     def get_cumulative_logprob(self) -> float:
         return self.data.cumulative_logprob

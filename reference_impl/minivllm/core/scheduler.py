@@ -85,6 +85,16 @@ class SchedulerOutputs:
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
     aborted_seq_groups: list[SequenceGroup] = field(default_factory=list)
 
+    def is_empty(self) -> bool:
+        """Nothing for the workers to do: no group to run and no block to
+        move (prompts ignored this step do not count, as in vLLM)."""
+        return not (
+            self.scheduled_seq_groups
+            or self.blocks_to_swap_in
+            or self.blocks_to_swap_out
+            or self.blocks_to_copy
+        )
+
 
 @dataclass
 class SchedulingBudget:

@@ -275,6 +275,8 @@ class LLMEngine:
         scheduler_outputs: SchedulerOutputs,
         with_batch: bool = False,
     ) -> SamplerOutput:
+        if scheduler_outputs.is_empty():  # nothing to run or move: no call (vLLM's step)
+            return SamplerOutput([])
         return self.model_executor.execute_model(
             ExecuteModelRequest(
                 seq_group_metadata_list,

@@ -53,6 +53,26 @@ class LLM:
         priority: one per prompt, with scheduling_policy="priority" (lower
             values first).
         """
+        request_ids: list[str] = []
+        try:
+            self._validate_and_add_requests(prompts, sampling_params, priority, request_ids)
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            # A refused prompt, or an interrupted call: nothing of this call
+            # may linger in the engine and run in the next one.
+            self.llm_engine.abort_request(request_ids)
+            raise
+
+    def _validate_and_add_requests(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+        request_ids: list[str],
+    ) -> None:
+        """Pair each prompt with its parameters and priority, and add them
+        one by one (vLLM's names), appending each request's id as it goes:
+        if one is refused, those before it are in `request_ids`."""
         prompt_list = self._normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -67,18 +87,16 @@ class LLM:
             if priority is None
             else _one_per_prompt("priority", priority, len(prompt_list))
         )
-        request_ids = []
-        try:
-            for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
-                request_id = str(next(self.request_counter))
-                self.llm_engine.add_request(request_id, prompt, params, priority=prio)
-                request_ids.append(request_id)
-            return self._run_engine(request_ids, use_tqdm)
-        except BaseException:
-            # A refused prompt, or an interrupted call: nothing of this call
-            # may linger in the engine and run in the next one.
-            self.llm_engine.abort_request(request_ids)
-            raise
+        for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
+            request_ids.append(self._add_request(prompt, params, prio))
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> str:
+        """One request into the engine, under the next number as its id
+        (a good place for a breakpoint: every prompt of `generate` passes
+        here). Returns the id."""
+        request_id = str(next(self.request_counter))
+        self.llm_engine.add_request(request_id, prompt, params, priority=priority)
+        return request_id
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Empty the V1 engine's prefix cache, so the next prompts find
