@@ -520,9 +520,8 @@ class Scheduler:
             ):
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in += self.block_manager.swap_in(seq_group)
-            for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
-                seq.status = SequenceStatus.RUNNING
+            self._swap_in(seq_group, out.blocks_to_swap_in)
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 out.blocks_to_copy += self.block_manager.append_slots(seq)
             if seq_group.is_prefill():
                 prefills.append(self._scheduled(seq_group, num_new_tokens))
@@ -610,15 +609,38 @@ class Scheduler:
                 self.num_cumulative_preemption,
             )
         if mode == PreemptionMode.RECOMPUTE:
-            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
-                seq.status = SequenceStatus.WAITING
-                self.free_seq(seq)
-                seq.reset_state_for_recompute()
+            self._preempt_by_recompute(seq_group)
         else:
-            out.blocks_to_swap_out += self.block_manager.swap_out(seq_group)
-            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
-                seq.status = SequenceStatus.SWAPPED
+            self._preempt_by_swap(seq_group, out.blocks_to_swap_out)
         out.preempted.append((seq_group, mode))
+
+    def _preempt_by_recompute(self, seq_group: SequenceGroup) -> None:
+        """Drop its blocks: it waits again and is prefilled from scratch."""
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+            seq.status = SequenceStatus.WAITING
+            self.free_seq(seq)
+            seq.reset_state_for_recompute()
+
+    def _preempt_by_swap(
+        self, seq_group: SequenceGroup, blocks_to_swap_out: list[tuple[int, int]]
+    ) -> None:
+        self._swap_out(seq_group, blocks_to_swap_out)
+
+    def _swap_in(self, seq_group: SequenceGroup, blocks_to_swap_in: list[tuple[int, int]]) -> None:
+        """Its blocks back from the CPU pool (the copies the worker makes
+        before the step's pass); its sequences run again."""
+        blocks_to_swap_in += self.block_manager.swap_in(seq_group)
+        for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.RUNNING
+
+    def _swap_out(
+        self, seq_group: SequenceGroup, blocks_to_swap_out: list[tuple[int, int]]
+    ) -> None:
+        """Its blocks out to the CPU pool (`_preemption_mode` checked that
+        they fit; vLLM raises here when they do not, row 2)."""
+        blocks_to_swap_out += self.block_manager.swap_out(seq_group)
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+            seq.status = SequenceStatus.SWAPPED
 
     def _preemption_mode(self, seq_group: SequenceGroup) -> PreemptionMode | None:
         """How to preempt this group; None when it can be neither swapped
