@@ -126,3 +126,22 @@ def test_an_empty_step_does_not_call_the_workers(tiny_model_dir, monkeypatch):
     assert calls == [] and not engine.has_unfinished_requests()
     engine.add_request("c", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1))
     assert engine.step()[0].finished and len(calls) == 1
+
+
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
+def test_the_engine_logs_its_config_and_cache_at_start(tiny_model_dir, caplog, use_v1):
+    """Day 3's trace script turns logging on and reads, as from vLLM, the
+    engine's config and its KV cache's size before the first step."""
+    caplog.set_level("INFO", logger="minivllm")
+    llm = LLM(tiny_model_dir("llama"), use_v1=use_v1, block_size=8, max_model_len=64,
+              num_gpu_blocks_override=20)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("minivllm")]
+    engine = "a V1 LLM engine" if use_v1 else "an LLM engine"
+    assert lines[0].startswith(f"Initializing {engine} (v{minivllm.__version__}) with config: ")
+    assert "block_size=8" in lines[0] and "max_seq_len=64" in lines[0]
+    if use_v1:  # the null block holds no tokens
+        assert lines[1:3] == ["KV cache size: 152 tokens",
+                              "Maximum concurrency for 64 tokens per request: 2.38x"]
+    else:
+        cpu_blocks = llm.llm_engine.cache_config.num_cpu_blocks
+        assert lines[1] == f"# GPU blocks: 20, # CPU blocks: {cpu_blocks}"

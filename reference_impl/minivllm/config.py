@@ -480,6 +480,20 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     use_v1: bool = False  # which engine runs them (EngineArgs.resolve_use_v1)
 
+    def __str__(self) -> str:
+        """The options that shape a run, for the engine's first log line
+        (vLLM's "Initializing an LLM engine ... with config: ...")."""
+        model, cache, sched = self.model_config, self.cache_config, self.scheduler_config
+        return (
+            f"model={model.model!r}, dtype={model.dtype}, max_seq_len={sched.max_model_len}, "
+            f"device={self.device_config.device}, attention_backend={model.attention_backend}, "
+            f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}, "
+            f"block_size={cache.block_size}, enable_prefix_caching={cache.enable_prefix_caching}, "
+            f"chunked_prefill_enabled={sched.enable_chunked_prefill}, "
+            f"max_num_batched_tokens={sched.max_num_batched_tokens}, "
+            f"max_num_seqs={sched.max_num_seqs}, seed={model.seed}"
+        )
+
 
 def default_cpu_kv_cache_bytes() -> int:
     """1 GiB unless MINIVLLM_CPU_KVCACHE_SPACE (GiB) says otherwise, like vLLM's CPU backend."""

@@ -29,8 +29,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 import time
 
+import minivllm
 from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.core.scheduler import Scheduler, SchedulerOutputs
@@ -58,6 +60,8 @@ from minivllm.transformers_utils.detokenizer import Detokenizer
 from minivllm.transformers_utils.tokenizer import get_tokenizer
 from minivllm.worker.model_runner import FlatBatch
 
+logger = logging.getLogger(__name__)
+
 _LOCAL_LOGGING_INTERVAL_SEC = 5.0  # vLLM's: one stats line every 5 s
 
 
@@ -83,6 +87,9 @@ class LLMEngine:
     def __init__(
         self, engine_config: EngineConfig, log_stats: bool = False, trace: str | None = None
     ) -> None:
+        logger.info(
+            "Initializing an LLM engine (v%s) with config: %s", minivllm.__version__, engine_config
+        )
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
@@ -99,6 +106,7 @@ class LLMEngine:
         )
         num_gpu_blocks, num_cpu_blocks = self.model_executor.determine_num_available_blocks()
         self.model_executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        logger.info("# GPU blocks: %d, # CPU blocks: %d", num_gpu_blocks, num_cpu_blocks)
         # The worker in this process (the driver of several); Day 1 drives it by hand.
         self.worker = self.model_executor.driver_worker
 

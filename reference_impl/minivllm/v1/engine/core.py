@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+import minivllm
 from minivllm.config import EngineConfig, SchedulerConfig
 from minivllm.core.scheduler import Scheduler as ClassicScheduler
 from minivllm.utils import cdiv
@@ -57,6 +58,11 @@ def get_scheduler_cls(scheduler_config: SchedulerConfig) -> type[Scheduler]:
 
 class EngineCore:
     def __init__(self, engine_config: EngineConfig) -> None:
+        logger.info(
+            "Initializing a V1 LLM engine (v%s) with config: %s",
+            minivllm.__version__,
+            engine_config,
+        )
         self.engine_config = engine_config
         self.model_executor = UniProcExecutor(engine_config)
         self._initialize_kv_caches()
@@ -92,6 +98,13 @@ class EngineCore:
                 "num_gpu_blocks_override, or lower max_model_len."
             )
         self.model_executor.initialize_cache(num_gpu_blocks)
+        num_tokens = (num_gpu_blocks - 1) * block_size  # the null block holds none
+        logger.info("KV cache size: %s tokens", f"{num_tokens:,}")
+        logger.info(
+            "Maximum concurrency for %s tokens per request: %.2fx",
+            f"{max_model_len:,}",
+            num_tokens / max_model_len,
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
