@@ -454,3 +454,23 @@ def test_wrong_type_error_is_both():
     from minivllm.utils import WrongTypeError
 
     assert issubclass(WrongTypeError, TypeError) and issubclass(WrongTypeError, ValueError)
+
+
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
+def test_max_logprobs_is_the_engines_limit(tiny_model_dir, use_v1):
+    """vLLM's `max_logprobs` engine option (20 by default): above it a
+    request is refused when added, naming the field and the option, and
+    leaves nothing behind; an engine with a higher limit returns that many."""
+    model = tiny_model_dir("llama")
+    engine = LLM(model, use_v1=use_v1, max_model_len=64).llm_engine
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{name} must be at most max_logprobs=20 .*got 21"):
+            engine.add_request("r", [5, 6, 7], SamplingParams(**{name: 21}))
+        assert not engine.has_unfinished_requests()
+    wide = LLM(model, use_v1=use_v1, max_model_len=64, max_logprobs=30, enable_prefix_caching=False)
+    [out] = wide.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=25,
+                                                      prompt_logprobs=30), use_tqdm=False)
+    assert all(len(position) in (25, 26) for position in out.outputs[0].logprobs)
+    assert all(len(position) in (30, 31) for position in out.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, got -1"):
+        LLM(model, use_v1=use_v1, max_logprobs=-1)

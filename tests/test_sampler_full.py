@@ -21,10 +21,12 @@ from transformers.generation.logits_process import (
 )
 
 from minivllm import LLM, SamplingParams
+from minivllm.config import ModelConfig
 from minivllm.model_executor.layers.sampler import Sampler, apply_min_p, apply_penalties
 from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
-from minivllm.sampling_params import MAX_LOGPROBS
 from minivllm.sequence import SequenceData
+
+MAX_LOGPROBS = ModelConfig.max_logprobs  # vLLM's default, 20
 
 VOCAB = 50
 

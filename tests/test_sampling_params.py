@@ -22,16 +22,8 @@ from minivllm import SamplingParams
         ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
         ({"min_tokens": 1.5}, "min_tokens must be an integer >= 0, got 1.5"),
         ({"min_tokens": 11, "max_tokens": 10}, "min_tokens must be <= max_tokens=10, got 11"),
-        ({"logprobs": 21}, "logprobs must be None or an integer from 0 to 20, got 21"),
-        ({"logprobs": -1}, "logprobs must be None or an integer from 0 to 20, got -1"),
-        (
-            {"prompt_logprobs": 21},
-            "prompt_logprobs must be None or an integer from 0 to 20, got 21",
-        ),
-        (
-            {"prompt_logprobs": 0.5},
-            "prompt_logprobs must be None or an integer from 0 to 20, got 0.5",
-        ),
+        ({"logprobs": -1}, "logprobs must be None or an integer >= 0, got -1"),
+        ({"prompt_logprobs": 0.5}, "prompt_logprobs must be None or an integer >= 0, got 0.5"),
         ({"stop": ""}, r"stop must not contain an empty string, got \[''\]"),
         ({"stop": ["ab", ""]}, r"stop must not contain an empty string, got \['ab', ''\]"),
         ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
@@ -62,3 +54,15 @@ def test_good_values_are_accepted_and_normalized():
     # Greedy ignores truncation, as in vLLM: its logprobs are not truncated.
     greedy = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.3)
     assert (greedy.top_k, greedy.top_p, greedy.min_p) == (-1, 1.0, 0.0)
+
+
+def test_the_engine_caps_logprobs_at_max_logprobs():
+    """vLLM's `max_logprobs` (20 by default) is the engine's limit, not the
+    parameters': 21 is a valid SamplingParams that an engine with the
+    default refuses, naming the field and the option."""
+    params = SamplingParams(logprobs=21, prompt_logprobs=3)
+    params.check_max_logprobs(21)
+    with pytest.raises(ValueError, match="logprobs must be at most max_logprobs=20 .*got 21"):
+        params.check_max_logprobs(20)
+    with pytest.raises(ValueError, match="^prompt_logprobs must be at most max_logprobs=2 "):
+        SamplingParams(prompt_logprobs=3).check_max_logprobs(2)

@@ -153,6 +153,9 @@ class ModelConfig:
     compilation_level: int = CompilationLevel.NO_COMPILATION
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
+    # The most top tokens a request may ask for per position (logprobs,
+    # prompt_logprobs): each costs a topk column and a name to decode.
+    max_logprobs: int = 20
     hf_config: PretrainedConfig = field(init=False, repr=False)
     local_path: str = field(init=False)
 
@@ -175,6 +178,7 @@ class ModelConfig:
         self.max_seq_len_to_capture = check_int(
             "max_seq_len_to_capture", self.max_seq_len_to_capture, low=1
         )
+        self.max_logprobs = check_int("max_logprobs", self.max_logprobs, low=0)
         self.device = DeviceConfig(self.device).device  # "auto" resolved as the engine does
         self.seed = check_seed(self.seed)
         if self.max_model_len is not None:

@@ -25,8 +25,6 @@ from minivllm.utils import (
 )
 
 _SAMPLING_EPS = 1e-5
-# vLLM's default `max_logprobs`: the most top tokens a request may ask for.
-MAX_LOGPROBS = 20
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
@@ -198,18 +196,9 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
-                setattr(
-                    self,
-                    name,
-                    check_int(
-                        name,
-                        value,
-                        low=0,
-                        high=MAX_LOGPROBS,
-                        allowed=f"None or an integer from 0 to {MAX_LOGPROBS}",
-                    ),
-                )
+            if value is not None:  # the engine caps it: check_max_logprobs
+                allowed = "None or an integer >= 0"
+                setattr(self, name, check_int(name, value, low=0, allowed=allowed))
         self.stop = self._normalize_stop(self.stop)
         if "" in self.stop:
             raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
@@ -224,6 +213,17 @@ class SamplingParams:
                 "n and best_of must be 1 when sampling greedily (temperature=0), "
                 f"got n={self.n}, best_of={self.best_of}"
             )
+
+    def check_max_logprobs(self, max_logprobs: int) -> None:
+        """The engine's limit (its `max_logprobs` option, vLLM's 20 by
+        default) on the top tokens a request may ask for, per position."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(
+                    f"{name} must be at most max_logprobs={max_logprobs} (an engine option), "
+                    f"got {value}"
+                )
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:

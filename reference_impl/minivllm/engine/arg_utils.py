@@ -181,6 +181,10 @@ class EngineArgs:
         "longest context a CUDA graph covers (at most max_model_len); decodes of longer "
         "contexts run eagerly",
     )
+    max_logprobs: int = _option(
+        ModelConfig.max_logprobs,
+        "the most top tokens a request may ask for per position (logprobs, prompt_logprobs)",
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -262,6 +266,7 @@ class EngineArgs:
             compilation_level=self.compilation_level,
             enforce_eager=self.enforce_eager,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
+            max_logprobs=self.max_logprobs,
         )
         max_num_seqs, max_num_batched_tokens = self._batch_limits(
             use_v1, enable_chunked_prefill, device_config.device, model_config.max_model_len

@@ -86,6 +86,10 @@ class InputPreprocessor:
             raise ValueError(
                 f"Request id {request_id!r} is already in use by an unfinished request"
             )
+        try:
+            params.check_max_logprobs(self.model_config.max_logprobs)
+        except ValueError as e:
+            raise ValueError(f"Request {request_id!r}: {e}") from None
         prompt_text, prompt_token_ids = self.process_prompt(prompt, request_id)
         if not prompt_token_ids:
             raise ValueError(f"Request {request_id!r}: the prompt is empty (0 tokens)")

@@ -205,17 +205,20 @@ class CompletionRequest(SamplingRequest):
         """echo with max_tokens=0: the answer is the prompt, nothing generated."""
         return bool(self.echo) and self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Raises ValueError naming the field, as `SamplingParams` does. As
-        vLLM, echo_only runs one token (the engine must sample one), which is
-        not returned, though usage counts it."""
+    def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
+        """Raises ValueError naming the field, as `SamplingParams` does (and
+        for logprobs above the engine's `max_logprobs`). As vLLM, echo_only
+        runs one token (the engine must sample one), which is not returned,
+        though usage counts it."""
         kwargs = self._sampling_kwargs()
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
             if self.echo:
                 kwargs["prompt_logprobs"] = self.logprobs
         max_tokens = 1 if self.echo_only else self.max_tokens
-        return SamplingParams(max_tokens=max_tokens, **kwargs)
+        params = SamplingParams(max_tokens=max_tokens, **kwargs)
+        params.check_max_logprobs(max_logprobs)
+        return params
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -296,7 +299,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
         kwargs = self._sampling_kwargs()
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
@@ -304,7 +307,9 @@ class ChatCompletionRequest(SamplingRequest):
         if max_tokens is None:
             max_tokens = self.max_tokens
         try:
-            return SamplingParams(max_tokens=max_tokens, **kwargs)
+            params = SamplingParams(max_tokens=max_tokens, **kwargs)
+            params.check_max_logprobs(max_logprobs)
+            return params
         except ValueError as e:  # named by SamplingParams; say it the request's way
             raise type(e)(self._request_names(str(e))) from e
 

@@ -53,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         self.check_model(request.model)
-        params = sampling_params_of(request)
+        params = sampling_params_of(request, self.max_logprobs)
         prompt = self.apply_chat_template(request.messages, request.add_generation_prompt)
         prompt_ids = self.encode(
             prompt, "messages", add_special_tokens=request.add_special_tokens

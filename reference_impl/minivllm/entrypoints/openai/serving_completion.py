@@ -48,7 +48,7 @@ from minivllm.sequence import PositionLogprobs
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
-        params = sampling_params_of(request)
+        params = sampling_params_of(request, self.max_logprobs)
         prompts = self._tokenize_prompts(request.prompt, params.max_tokens)
         await self.check_engine()  # a stopped engine: 503, before any stream
         request_id = f"cmpl-{random_uuid()}"

@@ -99,7 +99,9 @@ class OpenAIServing:
         self.served = served
         self.engine = served.engine
         self.tokenizer = served.engine.get_tokenizer()
-        self.max_model_len = served.engine.get_model_config().max_model_len
+        model_config = served.engine.get_model_config()
+        self.max_model_len = model_config.max_model_len
+        self.max_logprobs = model_config.max_logprobs
 
     @property
     def model_name(self) -> str:
@@ -257,15 +259,16 @@ class OpenAIServing:
 _REQUEST_PREFIX = re.compile(r"^Request '[^']*': ")
 
 
-def sampling_params_of(request: SamplingRequest) -> SamplingParams:
-    """The request's `SamplingParams`; a refused value is a 400 naming its field."""
+def sampling_params_of(request: SamplingRequest, max_logprobs: int) -> SamplingParams:
+    """The request's `SamplingParams`, within the engine's `max_logprobs`; a
+    refused value is a 400 naming its field (as the request spelled it)."""
     if request.stream and request.best_of is not None and request.best_of > (request.n or 1):
         # The n best are only known at the end: nothing could be streamed.
         raise OpenAIError(
             f"best_of={request.best_of} > n={request.n or 1} cannot be streamed", param="best_of"
         )
     try:
-        return request.to_sampling_params()
+        return request.to_sampling_params(max_logprobs)
     except ValueError as e:  # WrongTypeError is one too
         raise OpenAIError(str(e), param=param_named_in(str(e), type(request).model_fields)) from e
 
