@@ -180,6 +180,8 @@ def test_streamed_completion_matches_and_follows_the_wire_format(server, llm):
         len(token_chunks) - 1
     ) + ["length"]
     assert all(c["usage"] is None for c in token_chunks)  # vLLM's completions chunks
+    assert all(set(c["choices"][0]) == {"index", "text", "logprobs", "finish_reason",
+                                        "stop_reason"} for c in token_chunks)
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"] == {
         "prompt_tokens": 5,

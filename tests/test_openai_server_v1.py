@@ -256,6 +256,42 @@ def test_echo_with_logprobs_scores_the_prompt_on_either_engine(client, llm):
         assert all(k <= len(top) <= k + 1 for top in lp.top_logprobs[1:])
 
 
+def test_prompt_logprobs_come_back_in_vllms_field(server, llm):
+    """vLLM's `prompt_logprobs` request field: each prompt token's logprob,
+    rank and name, and the top k at each position, in the choice (chat: the
+    response) as vLLM sends them (token ids as JSON keys; null for the first
+    token and when not asked for); the oracle is the offline engine of the
+    same kind. Not with stream, unless 0 (vLLM's rule)."""
+    prompt, k = PROMPTS[1], 3
+    expected = offline(llm, prompt, max_tokens=2, temperature=0, prompt_logprobs=k)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": k}
+    completions, chat = server.url_for("v1", "completions"), server.url_for(
+        "v1", "chat", "completions")
+    got = httpx.post(completions, json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected.prompt_token_ids)
+    for position, want in zip(got[1:], expected.prompt_logprobs[1:], strict=True):
+        assert {int(token_id) for token_id in position} == set(want)
+        for token_id, logprob in want.items():
+            entry = position[str(token_id)]
+            assert math.isclose(entry["logprob"], logprob.logprob, rel_tol=1e-5, abs_tol=1e-6)
+            assert (entry["rank"], entry["decoded_token"]) == (logprob.rank,
+                                                               logprob.decoded_token)
+    plain = httpx.post(completions, json={**body, "prompt_logprobs": None}, timeout=60).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    messages = [{"role": "user", "content": prompt}]
+    answer = httpx.post(chat, json={"model": MODEL, "messages": messages, "max_tokens": 1,
+                                    "prompt_logprobs": 0}, timeout=60).json()
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+    assert answer["prompt_logprobs"][0] is None
+    assert all(len(position) == 1 for position in answer["prompt_logprobs"][1:])
+    refused = httpx.post(completions, json={**body, "stream": True}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    with httpx.stream("POST", completions, json={**body, "stream": True, "prompt_logprobs": 0},
+                      timeout=60) as streamed:
+        assert streamed.status_code == 200 and sse_events(streamed)[-1] == "[DONE]"
+
+
 # -- refusals ------------------------------------------------------------------------
 
 

@@ -151,6 +151,9 @@ class SamplingRequest(OpenAIBaseModel):
     # same salt, so one tenant cannot learn from timing whether another
     # sent a prompt. V1 only (the classic engine refuses it, as vLLM V0).
     cache_salt: str | None = None
+    # vLLM's: the prompt tokens' logprobs (and this many top tokens at each
+    # position) in the response's `prompt_logprobs`; not with stream.
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -159,6 +162,13 @@ class SamplingRequest(OpenAIBaseModel):
             self.stream
         ):
             raise ValueError("stream_options can only be given with stream=true")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        # (vLLM refuses it only when it asks for something: 0 passes.)
+        if self.stream and self.prompt_logprobs:
+            raise ValueError("prompt_logprobs are not available with stream=true")
         return self
 
     @model_validator(mode="after")
@@ -178,7 +188,8 @@ class SamplingRequest(OpenAIBaseModel):
         names = (
             "n best_of temperature top_p top_k min_p presence_penalty frequency_penalty "
             "repetition_penalty seed stop stop_token_ids include_stop_str_in_output "
-            "ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens"
+            "ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens "
+            "prompt_logprobs"
         ).split()
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
@@ -213,8 +224,8 @@ class CompletionRequest(SamplingRequest):
         kwargs = self._sampling_kwargs()
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
-            if self.echo:
-                kwargs["prompt_logprobs"] = self.logprobs
+            if self.echo:  # the echoed prompt's logprobs (unless asked for apart)
+                kwargs.setdefault("prompt_logprobs", self.logprobs)
         max_tokens = 1 if self.echo_only else self.max_tokens
         params = SamplingParams(max_tokens=max_tokens, **kwargs)
         params.check_max_logprobs(max_logprobs)
@@ -228,13 +239,30 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class PromptLogprob(OpenAIBaseModel):
+    """One candidate at a prompt position, as vLLM sends its `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first (nothing predicts it), then token id ->
+# its logprob, for the prompt's token and the top ones (JSON keys are strings).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     # Not OpenAI's: the stop string or token id that ended it (vLLM's).
     stop_reason: int | str | None = None
+
+
+class CompletionResponseChoice(CompletionResponseStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with prompt_logprobs
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -251,7 +279,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
 
 
@@ -357,6 +385,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with prompt_logprobs
 
 
 class DeltaMessage(OpenAIBaseModel):

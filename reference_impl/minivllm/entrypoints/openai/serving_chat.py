@@ -38,6 +38,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     ClientDisconnected,
     OpenAIServing,
     json_logprob,
+    json_prompt_logprobs,
     logprob_token,
     sampling_params_of,
     sse,
@@ -121,7 +122,12 @@ class OpenAIServingChat(OpenAIServing):
             len(final.prompt_token_ids), num_generated, self.cached_tokens(final)
         )
         response = ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=json_prompt_logprobs(final.prompt_logprobs),
         )
         return response.model_dump()
 

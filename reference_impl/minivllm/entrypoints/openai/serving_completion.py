@@ -22,6 +22,7 @@ from minivllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionResponseStreamChoice,
     CompletionStreamResponse,
     UsageInfo,
     random_uuid,
@@ -33,6 +34,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     json_logprob,
+    json_prompt_logprobs,
     logprob_token,
     merge_async_iterators,
     sampling_params_of,
@@ -111,6 +113,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        prompt_logprobs=json_prompt_logprobs(output.prompt_logprobs),
                     )
                 )
                 num_generated += len(completion.token_ids)
@@ -153,7 +156,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         echoed = len(prompts[prompt_index][0]) if request.echo else 0
                         offset = delta.first_char + echoed if delta.first_token else 0
                         logprobs = self._logprobs(token_ids, positions, offset)
-                    choice = CompletionResponseChoice(
+                    choice = CompletionResponseStreamChoice(
                         index=index,
                         text=text,
                         logprobs=logprobs,

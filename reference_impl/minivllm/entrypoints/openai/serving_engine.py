@@ -33,6 +33,8 @@ from minivllm.entrypoints.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingRequest,
 )
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -326,6 +328,26 @@ MIN_JSON_LOGPROB = -9999.0
 def json_logprob(logprob: float) -> float:
     """A logprob as a response carries it: at least MIN_JSON_LOGPROB."""
     return max(logprob, MIN_JSON_LOGPROB)
+
+
+def json_prompt_logprobs(
+    prompt_logprobs: list[PositionLogprobs | None] | None,
+) -> PromptLogprobs | None:
+    """An output's prompt logprobs as a response carries them (vLLM's
+    `clamp_prompt_logprobs`: no -inf in JSON)."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            token_id: PromptLogprob(
+                logprob=json_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token_id, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]
 
 
 def sse(chunk: BaseModel, null_usage: bool = False) -> str:
