@@ -15,7 +15,8 @@ Each step it
    back); for a request that asked for `prompt_logprobs`, also the logits
    of its prompt positions, chunk by chunk.
 
-It shares the classic engine's models, attention backends and sampler.
+It shares the classic engine's models and attention backends; its sampler
+is V1's (v1/sample/sampler.py), built of the classic sampler's stages.
 Our attention contract (attention/backends/abstract.py) wants requests with
 several new tokens (prefills, prompt chunks) before those with one (decodes);
 vLLM's backends that care want decodes first. Either way the runner swaps
@@ -34,14 +35,16 @@ from minivllm.attention.layer import attention_layers
 from minivllm.attention.selector import get_attn_backend
 from minivllm.compilation import model_forward, set_forward_context
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
-from minivllm.model_executor.layers.sampler import Sampler, get_position_logprobs
+from minivllm.model_executor.layers.sampler import get_position_logprobs
 from minivllm.model_executor.layers.utils import packed_gemm_layers
 from minivllm.model_executor.model_loader import get_model
-from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
-from minivllm.sequence import PositionLogprobs, SequenceData
+from minivllm.sampling_params import SamplingType
+from minivllm.sequence import PositionLogprobs
 from minivllm.utils import cdiv
 from minivllm.v1.core.sched.output import SchedulerOutput
 from minivllm.v1.outputs import ModelRunnerOutput
+from minivllm.v1.sample.metadata import SamplingMetadata
+from minivllm.v1.sample.sampler import Sampler
 from minivllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 
@@ -138,8 +141,8 @@ class GPUModelRunner:
         reqs_to_add: list[CachedRequestState] = []
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
-            generator = None
-            if params.seed is not None:
+            generator = None  # a random request with a seed draws from its own
+            if params.sampling_type == SamplingType.RANDOM_SEED:
                 generator = torch.Generator().manual_seed(params.seed)
             self.requests[new.req_id] = state = CachedRequestState(
                 req_id=new.req_id,
@@ -285,24 +288,53 @@ class GPUModelRunner:
         )
 
     def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray) -> list[int]:
-        """One token per sampling row, by the classic engine's sampler: each
-        row is one single-sequence group, its generator its own if seeded."""
-        groups = []
-        for i, row in enumerate(sample_rows.tolist()):
-            state = self.input_batch.req_states[row]
-            groups.append(
-                SequenceGroupToSample(
-                    seq_ids=[row],
-                    sampling_params=state.sampling_params,
-                    generator=state.generator,
-                    seq_data={row: SequenceData(state.prompt_token_ids, state.output_token_ids)},
-                    prompt_logprob_indices=[],
-                    sample_indices=[i],
-                )
-            )
-        metadata = SamplingMetadata(groups, torch.arange(len(groups)))
-        output = self.sampler(logits, metadata)
-        return [group_output.samples[0].output_token for group_output in output.outputs]
+        """One token per sampling row, by V1's sampler."""
+        metadata = self._sampling_metadata(sample_rows, logits.shape[-1])
+        return self.sampler(logits, metadata).tolist()
+
+    def _sampling_metadata(self, sample_rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
+        """The sampling rows' parameters, gathered from their requests (vLLM
+        keeps them as tensors in the persistent batch). A stage no row uses
+        is None."""
+        states = [self.input_batch.req_states[row] for row in sample_rows.tolist()]
+        params = [state.sampling_params for state in states]
+
+        def per_row(values: list, dtype: torch.dtype = torch.float) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        def stage(name: str, neutral, dtype: torch.dtype = torch.float) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in params]
+            return per_row(values, dtype) if any(v != neutral for v in values) else None
+
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        penalized = any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
+        )
+        return SamplingMetadata(
+            temperature=per_row([0.0 if g else p.temperature for p, g in zip(params, greedy,
+                                                                              strict=True)]),
+            greedy=per_row(greedy, torch.bool),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_k=per_row(top_k, torch.long) if any(k < vocab_size for k in top_k) else None,
+            top_p=stage("top_p", 1.0),
+            min_p=stage("min_p", 0.0),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            min_tokens_banned=[
+                sorted(p.all_stop_token_ids) if len(s.output_token_ids) < p.min_tokens else []
+                for p, s in zip(params, states, strict=True)
+            ],
+            presence_penalties=per_row([p.presence_penalty for p in params]) if penalized else None,
+            frequency_penalties=per_row([p.frequency_penalty for p in params])
+            if penalized
+            else None,
+            repetition_penalties=per_row([p.repetition_penalty for p in params])
+            if penalized
+            else None,
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+        )
 
     def _add_logprobs(
         self, logits: torch.Tensor, sample_rows: np.ndarray, tokens: list[int], logprobs: list

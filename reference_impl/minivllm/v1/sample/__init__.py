@@ -1,0 +1,1 @@
+"""V1's sampler (vLLM's `vllm/v1/sample/`)."""

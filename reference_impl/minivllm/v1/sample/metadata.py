@@ -1,0 +1,37 @@
+"""`SamplingMetadata`: what V1's sampler needs of one step's sampling rows
+(vLLM's `vllm/v1/sample/metadata.py`).
+
+vLLM keeps these values as tensors in the persistent batch, updated when a
+request joins or leaves it; our runner gathers them each step from the
+rows' requests (`GPUModelRunner._sampling_metadata`). A stage that no row
+uses is None, so the sampler skips it (a sort of the vocabulary, the token
+counts of the penalties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [num_rows] float; 0 for greedy rows
+    greedy: torch.Tensor  # [num_rows] bool: the row takes the argmax
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [num_rows] int64; vocab_size keeps all
+    top_p: torch.Tensor | None  # [num_rows] float; 1.0 keeps all
+    min_p: torch.Tensor | None  # [num_rows] float; 0.0 keeps all
+    # Row -> the generator of a request with a seed: its noise is its own.
+    generators: dict[int, torch.Generator]
+    # Per row, the tokens that would end it while it has fewer outputs than
+    # min_tokens (vLLM's MinTokensLogitsProcessor bans them).
+    min_tokens_banned: list[list[int]]
+    # The penalties: None when every row has them off.
+    presence_penalties: torch.Tensor | None  # [num_rows]
+    frequency_penalties: torch.Tensor | None  # [num_rows]
+    repetition_penalties: torch.Tensor | None  # [num_rows]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
