@@ -420,6 +420,29 @@ def test_logprobs_of_filtered_tokens_are_clamped_as_vllm_does(server, client, ll
     assert -9999.0 in values and all(v >= -9999.0 for v in values)
 
 
+def test_logit_bias_and_allowed_token_ids_answer_as_offline(server, client, llm):
+    """OpenAI's logit_bias (token ids as string keys; -1000 clamped to -100,
+    as vLLM does) and vLLM's allowed_token_ids: the offline engine's text for
+    the same parameters, and a plain run's first token banned is gone."""
+    greedy = dict(temperature=0, max_tokens=6)
+    plain = offline(llm, PROMPTS[0], **greedy).outputs[0]
+    banned = plain.token_ids[0]
+    expected = offline(llm, PROMPTS[0], logit_bias={banned: -100.0}, **greedy).outputs[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0],
+                                     logit_bias={str(banned): -1000}, **greedy)
+    assert got.choices[0].text == expected.text != plain.text
+    allowed = sorted(set(plain.token_ids) | {banned + 1, banned + 2})[:4]
+    expected = offline(llm, PROMPTS[0], allowed_token_ids=allowed, **greedy).outputs[0]
+    assert set(expected.token_ids) <= set(allowed)
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0],
+                                    extra_body={"allowed_token_ids": allowed}, **greedy)
+    assert got.choices[0].text == expected.text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], logit_bias={"dog": 1},
+                                  **greedy)
+    assert info.value.body["param"] == "logit_bias"
+
+
 def test_echo_with_logprobs_scores_the_prompt(server, client, llm):
     """vLLM's echo: the prompt's tokens and logprobs come first (the first
     token's null: nothing predicts it), then the answer's; with max_tokens=0
@@ -582,7 +605,11 @@ BAD_FIELDS = [
     ("model", 5),
     ("model", None),
     ("user", 7),
-    ("logit_bias", {"1": 2}),
+    ("logit_bias", {"one": 2}),
+    ("logit_bias", {"1": "2"}),
+    ("logit_bias", {"1000000": 2}),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [-3]),
     ("suffix", "x"),
     ("stream_options", {"include_usage": True}),
     ("skip_special_tokens", "no"),

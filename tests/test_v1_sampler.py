@@ -45,6 +45,8 @@ def metadata_of(params, prompts, outputs, generators=None, vocab=VOCAB) -> Sampl
         generators=generators or {},
         min_tokens_banned=[STOP_IDS if len(o) < p.min_tokens else []
                            for p, o in zip(params, outputs, strict=True)],
+        allowed_token_ids=[p.allowed_token_ids for p in params],
+        logit_bias=[p.logit_bias for p in params],
         presence_penalties=torch.tensor([p.presence_penalty for p in params]),
         frequency_penalties=torch.tensor([p.frequency_penalty for p in params]),
         repetition_penalties=torch.tensor([p.repetition_penalty for p in params]),

@@ -96,6 +96,11 @@ SAMPLING_FIELDS = {
     "logprobs": st.one_of(st.none(), st.integers(0, 20)),
     "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20)),
     "stop": st.one_of(st.none(), st.sampled_from(["a", "the", ["x", "e"], ("o",)])),
+    "logit_bias": st.one_of(
+        st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3)
+    ),
+    "allowed_token_ids": st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                      max_size=4)),
 }
 
 ENGINE_FIELDS = {

@@ -69,6 +69,10 @@ class SamplingParams:
     spaces_between_special_tokens: put a space between special tokens in
         the text, as a slow tokenizer does by default (fast tokenizers, the
         shipped model's included, decode the same either way).
+    logit_bias: token id -> a number added to its logit before any other
+        stage (OpenAI's, in [-100, 100]: -100 all but bans a token, +100 all
+        but forces it).
+    allowed_token_ids: only these tokens can be sampled.
     """
 
     n: int = 1
@@ -91,6 +95,8 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # Every token id that ends this request: stop_token_ids, plus the EOS ids
     # that the engine adds when it accepts the request
     # (`update_from_generation_config`). The sampler masks them while fewer
@@ -205,6 +211,11 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = check_seed(self.seed, allowed_prefix="None or ")
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be None or a non-empty list, got []")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "spaces_between_special_tokens"):
             check_bool(name, getattr(self, name))
@@ -237,21 +248,22 @@ class SamplingParams:
 
     @staticmethod
     def _normalize_stop_token_ids(ids: list[int] | None) -> list[int]:
-        if ids is None:
-            return []
-        if not isinstance(ids, (list, tuple, set, frozenset)):
+        return [] if ids is None else _token_ids("stop_token_ids", ids)
+
+    @staticmethod
+    def _normalize_logit_bias(bias: dict[int, float] | None) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
             raise WrongTypeError(
-                f"stop_token_ids must be a list of non-negative integers, got {show(ids)}"
+                f"logit_bias must be None or a dict of token id -> bias, got {show(bias)}"
             )
-        wrong_type = [t for t in ids if not is_int(t)]
-        if wrong_type:
-            raise WrongTypeError(
-                f"stop_token_ids must be non-negative integers, got {show(wrong_type)}"
-            )
-        negative = [int(t) for t in ids if t < 0]
-        if negative:
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {negative}")
-        return [int(t) for t in ids]
+        token_ids = _token_ids("logit_bias", list(bias))
+        values = [
+            check_float("logit_bias", value, low=-100, high=100, allowed="in [-100, 100]")
+            for value in bias.values()
+        ]
+        return dict(zip(token_ids, values, strict=True))
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -260,3 +272,17 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+
+def _token_ids(name: str, ids) -> list[int]:
+    """`ids` as a list of plain ints, each a token id (>= 0); the engine
+    checks them against the vocabulary when it takes the request."""
+    if not isinstance(ids, (list, tuple, set, frozenset)):
+        raise WrongTypeError(f"{name} must be a list of non-negative integers, got {show(ids)}")
+    wrong_type = [t for t in ids if not is_int(t)]
+    if wrong_type:
+        raise WrongTypeError(f"{name} must be non-negative integers, got {show(wrong_type)}")
+    negative = [int(t) for t in ids if t < 0]
+    if negative:
+        raise ValueError(f"{name} must be non-negative integers, got {negative}")
+    return [int(t) for t in ids]

@@ -106,14 +106,19 @@ class InputPreprocessor:
                 f"Request {request_id!r}: prompt token ids {bad[:5]} are outside the "
                 f"vocabulary [0, {vocab})"
             )
-        # The sampler indexes the logits with them (they are banned before
-        # min_tokens): an id past the vocabulary would fail inside a step.
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(
-                f"Request {request_id!r}: stop_token_ids {bad[:5]} are outside the "
-                f"vocabulary [0, {vocab})"
-            )
+        # The sampler indexes the logits with them (stop tokens are banned
+        # before min_tokens): an id past the vocabulary would fail in a step.
+        for what, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias token ids", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(
+                    f"Request {request_id!r}: {what} {bad[:5]} are outside the "
+                    f"vocabulary [0, {vocab})"
+                )
         stops = set(params.stop_token_ids) | self.eos_token_ids  # all banned, ignore_eos or not
         bans_stops = params.min_tokens > 0 or self.model_config.dry_run
         if bans_stops and len(stops) >= vocab and stops >= set(range(vocab)):
@@ -122,6 +127,12 @@ class InputPreprocessor:
             raise ValueError(
                 f"Request {request_id!r}: stop_token_ids and EOS cover the whole vocabulary "
                 f"({vocab} tokens), so no token could be sampled before min_tokens="
+                f"{params.min_tokens}"
+            )
+        if bans_stops and params.allowed_token_ids and stops >= set(params.allowed_token_ids):
+            raise ValueError(
+                f"Request {request_id!r}: allowed_token_ids {params.allowed_token_ids[:5]} are "
+                f"all stop or EOS tokens, so none could be sampled before min_tokens="
                 f"{params.min_tokens}"
             )
         return prompt_text, prompt_token_ids

@@ -154,6 +154,11 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's: the prompt tokens' logprobs (and this many top tokens at each
     # position) in the response's `prompt_logprobs`; not with stream.
     prompt_logprobs: int | None = None
+    # OpenAI's: token id (as a string: JSON keys are) -> a bias added to its
+    # logit, clamped to [-100, 100] as vLLM does.
+    logit_bias: dict[str, float] | None = None
+    # vLLM's: only these tokens can be sampled.
+    allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -189,9 +194,24 @@ class SamplingRequest(OpenAIBaseModel):
             "n best_of temperature top_p top_k min_p presence_penalty frequency_penalty "
             "repetition_penalty seed stop stop_token_ids include_stop_str_in_output "
             "ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens "
-            "prompt_logprobs"
+            "prompt_logprobs allowed_token_ids"
         ).split()
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.logit_bias is not None:
+            kwargs["logit_bias"] = self._token_logit_bias()
+        return kwargs
+
+    def _token_logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ValueError(
+                    f"logit_bias keys must be token ids (integers as strings), got {key!r}"
+                ) from None
+            bias[token_id] = min(100.0, max(-100.0, value))
+        return bias
 
     @property
     def include_usage(self) -> bool:

@@ -2,6 +2,8 @@
 
 Each row goes through vLLM's steps, in vLLM's order:
 
+0. logit_bias, then allowed_token_ids (vLLM v0.6's server turns them into
+   logits processors, which run before the sampler);
 1. min_tokens: while a sequence has fewer outputs than `min_tokens`, every
    token that would end it (EOS, `stop_token_ids`) is set to -inf;
 2. penalties: repetition (prompt and output tokens), then presence and
@@ -69,6 +71,32 @@ def apply_min_tokens_penalty(
         if token_ids:  # an empty index still costs a few operator calls
             logits[row, token_ids] = float("-inf")
     return logits
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    biases: list[dict[int, float] | None],  # per row; None = no bias
+) -> torch.Tensor:
+    """Add each row's bias to its tokens' logits."""
+    logits = logits.clone()
+    for row, bias in enumerate(biases):
+        if bias:
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row, list(bias)] += values
+    return logits
+
+
+def apply_allowed_token_ids(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    allowed: list[list[int] | None],  # per row; None = every token
+) -> torch.Tensor:
+    """Set to -inf every token a row does not allow."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    for row, token_ids in enumerate(allowed):
+        if token_ids is not None:
+            keep[row] = False
+            keep[row, token_ids] = True
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def get_token_bin_counts(
@@ -282,6 +310,10 @@ class Sampler(nn.Module):
         def per_row(values: list, dtype: torch.dtype = torch.float) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
+        if any(p.allowed_token_ids is not None for p in params):
+            logits = apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
         banned = [
             sorted(p.all_stop_token_ids) if len(d.output_token_ids) < p.min_tokens else []
             for p, d in zip(params, seq_data, strict=True)

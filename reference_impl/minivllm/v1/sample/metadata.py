@@ -29,6 +29,10 @@ class SamplingMetadata:
     # Per row, the tokens that would end it while it has fewer outputs than
     # min_tokens (vLLM's MinTokensLogitsProcessor bans them).
     min_tokens_banned: list[list[int]]
+    # Per row, the only tokens it may sample (None: all), and the biases
+    # added to its logits (None: none).
+    allowed_token_ids: list[list[int] | None]
+    logit_bias: list[dict[int, float] | None]
     # The penalties: None when every row has them off.
     presence_penalties: torch.Tensor | None  # [num_rows]
     frequency_penalties: torch.Tensor | None  # [num_rows]

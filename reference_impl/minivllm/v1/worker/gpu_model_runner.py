@@ -325,6 +325,8 @@ class GPUModelRunner:
                 sorted(p.all_stop_token_ids) if len(s.output_token_ids) < p.min_tokens else []
                 for p, s in zip(params, states, strict=True)
             ],
+            allowed_token_ids=[p.allowed_token_ids for p in params],
+            logit_bias=[p.logit_bias for p in params],
             presence_penalties=per_row([p.presence_penalty for p in params]) if penalized else None,
             frequency_penalties=per_row([p.frequency_penalty for p in params])
             if penalized
