@@ -140,8 +140,27 @@ def test_the_engine_logs_its_config_and_cache_at_start(tiny_model_dir, caplog, u
     assert lines[0].startswith(f"Initializing {engine} (v{minivllm.__version__}) with config: ")
     assert "block_size=8" in lines[0] and "max_seq_len=64" in lines[0]
     if use_v1:  # the null block holds no tokens
-        assert lines[1:3] == ["KV cache size: 152 tokens",
+        assert lines[1:3] == ["GPU KV cache size: 152 tokens",
                               "Maximum concurrency for 64 tokens per request: 2.38x"]
     else:
         cpu_blocks = llm.llm_engine.cache_config.num_cpu_blocks
         assert lines[1] == f"# GPU blocks: 20, # CPU blocks: {cpu_blocks}"
+
+
+def test_the_v1_engine_core_in_its_own_process_logs_as_its_front_end(tiny_model_dir):
+    """A spawned process starts with no logging set up: the front end hands
+    its own (level, format) to the engine core's, whose lines then show."""
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
+        "from minivllm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    LLM({tiny_model_dir('llama')!r}, use_v1=True, max_model_len=64)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MINIVLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "INFO minivllm.v1.engine.core: Initializing a V1 LLM engine" in result.stderr
+    assert "INFO minivllm.v1.engine.core: GPU KV cache size: " in result.stderr

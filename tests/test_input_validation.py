@@ -474,3 +474,10 @@ def test_max_logprobs_is_the_engines_limit(tiny_model_dir, use_v1):
     assert all(len(position) in (30, 31) for position in out.prompt_logprobs[1:])
     with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, got -1"):
         LLM(model, use_v1=use_v1, max_logprobs=-1)
+    # A limit above the vocabulary does not let a request ask past it (the
+    # top-k of the logits would fail inside a step and kill the engine).
+    vocab = wide.llm_engine.model_config.hf_config.vocab_size
+    huge = LLM(model, use_v1=use_v1, max_model_len=64, max_logprobs=vocab + 100).llm_engine
+    with pytest.raises(ValueError, match=f"logprobs must be at most the vocabulary's {vocab} "):
+        huge.add_request("r", [5, 6, 7], SamplingParams(logprobs=vocab + 1))
+    assert not huge.has_unfinished_requests() and not huge.errored

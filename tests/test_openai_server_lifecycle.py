@@ -73,8 +73,8 @@ def test_serve_command_with_an_api_key_and_no_chat_template(tiny_model_dir):
         # Every answer carries X-Request-Id: the request's own, refused or
         # streamed, or a new random one.
         mine = {"X-Request-Id": "trace-42"}
-        assert httpx.get(server.url_for("v1", "models"), headers=mine).headers[
-            "x-request-id"] == "trace-42"  # a 401
+        refused = httpx.get(server.url_for("v1", "models"), headers=mine)
+        assert refused.status_code == 401 and refused.headers["x-request-id"] == "trace-42"
         body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "stream": True}
         with httpx.stream("POST", server.url_for("v1", "completions"), json=body,
                           headers={**mine, "Authorization": "Bearer sesame"}) as r:

@@ -124,10 +124,9 @@ def test_a_request_preempted_in_and_after_its_prompt_gets_each_position_once(
     tiny_llama, monkeypatch
 ):
     """Preempted after its first chunk, a request computes its prompt again
-    from position 0 and fills the same entries (kept on the request, not its
-    batch row); preempted after its prompt, it recomputes the prompt but
-    sends no prompt logprobs again. Either way: the logprobs and tokens of
-    a run left alone."""
+    from position 0 and fills the same entries; preempted after its prompt,
+    it recomputes the prompt but sends no prompt logprobs again. Either way:
+    the logprobs and tokens of a run left alone, each position once."""
     prompts = as_prompts(PROMPTS[2:4])  # 17 and 33 tokens: several chunks
     params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=K, ignore_eos=True)
     want = v1_llm(tiny_llama).generate(prompts, params, use_tqdm=False)

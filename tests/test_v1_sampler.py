@@ -172,3 +172,19 @@ def test_the_draw_follows_the_distribution():
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 23.5  # 4 degrees of freedom, p = 1e-4
     assert pytest.approx(float(counts[0] / 4000), abs=0.05) == float(probs[0])
+
+
+def test_an_all_seeded_batch_leaves_the_shared_stream_alone():
+    """Only when some row has no generator is the batch's noise drawn from
+    the shared stream (vLLM's `random_sample`): a batch of seeded rows does
+    not move it, one unseeded row does."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)]
+    sampler = Sampler(seed=5)
+    before = sampler.generator.get_state()
+    generators = {0: torch.Generator().manual_seed(1), 1: torch.Generator().manual_seed(2)}
+    sampler(logits, metadata_of(params, [[1], [1]], [[], []], generators))
+    assert torch.equal(sampler.generator.get_state(), before)
+    params[1] = SamplingParams(temperature=1.0)
+    sampler(logits, metadata_of(params, [[1], [1]], [[], []], {0: generators[0]}))
+    assert not torch.equal(sampler.generator.get_state(), before)

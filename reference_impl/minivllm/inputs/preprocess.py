@@ -90,6 +90,14 @@ class InputPreprocessor:
             params.check_max_logprobs(self.model_config.max_logprobs)
         except ValueError as e:
             raise ValueError(f"Request {request_id!r}: {e}") from None
+        vocab = self.model_config.hf_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:  # a max_logprobs above the vocabulary
+                raise ValueError(
+                    f"Request {request_id!r}: {name} must be at most the vocabulary's "
+                    f"{vocab} tokens, got {value}"
+                )
         prompt_text, prompt_token_ids = self.process_prompt(prompt, request_id)
         if not prompt_token_ids:
             raise ValueError(f"Request {request_id!r}: the prompt is empty (0 tokens)")

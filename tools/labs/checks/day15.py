@@ -11,6 +11,7 @@ raises AssertionError saying what was expected, what came back, and why.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 
 from minivllm import LLM, SamplingParams
@@ -18,6 +19,7 @@ from minivllm.utils import cdiv
 from minivllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minivllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from minivllm.v1.core.sched.scheduler import Scheduler
+from minivllm.v1.engine import EngineCoreEventType
 from minivllm.v1.request import Request
 from tools.labs.checks._common import passed
 from tools.labs.checks._engine_runs import (
@@ -346,8 +348,9 @@ def finish_schedule(
 ) -> SchedulerOutput:
     """The end of V1's `Scheduler.schedule()` (reference_impl/minivllm/v1/core/
     sched/scheduler.py), for the lab's `schedule()`: check the step's limits,
-    build the SchedulerOutput (the diff the worker applies), and advance
-    every scheduled request's num_computed_tokens (`_update_after_schedule`)."""
+    record each admitted request's SCHEDULED event (its queue time), build
+    the SchedulerOutput (the diff the worker applies), and advance every
+    scheduled request's num_computed_tokens (`_update_after_schedule`)."""
     total = sum(num_scheduled_tokens.values())
     budget = scheduler.max_num_scheduled_tokens
     if total > budget:
@@ -372,6 +375,9 @@ def finish_schedule(
                 f"of its {request.num_tokens} computed: a request gets between 1 and "
                 "num_tokens - num_computed_tokens tokens"
             )
+    now = time.time()
+    for request in [*scheduled_new_reqs, *scheduled_resumed_reqs]:
+        request.record_event(EngineCoreEventType.SCHEDULED, now)
     output = SchedulerOutput(
         scheduled_new_reqs=[
             NewRequestData.from_request(r, req_to_new_blocks[r.request_id].get_block_ids())

@@ -98,8 +98,10 @@ class EngineCore:
                 "num_gpu_blocks_override, or lower max_model_len."
             )
         self.model_executor.initialize_cache(num_gpu_blocks)
-        num_tokens = (num_gpu_blocks - 1) * block_size  # the null block holds none
-        logger.info("KV cache size: %s tokens", f"{num_tokens:,}")
+        # vLLM's words (GPU whatever the device, as the classic engine's
+        # "# GPU blocks"); the null block, which holds no tokens, left out.
+        num_tokens = (num_gpu_blocks - 1) * block_size
+        logger.info("GPU KV cache size: %s tokens", f"{num_tokens:,}")
         logger.info(
             "Maximum concurrency for %s tokens per request: %.2fx",
             f"{max_model_len:,}",
@@ -222,12 +224,18 @@ class EngineCoreProc(EngineCore):
     def run_engine_core(
         engine_config: EngineConfig, input_address: str, output_address: str,
         identity: bytes, registered_models: dict,
+        log_config: tuple[int, str | None] | None = None,
     ) -> None:
         """The process's target: build the engine core, run its loop until
         SHUTDOWN or SIGTERM. A startup failure is sent to the client (which
         raises it); a failure in the loop is logged and sent as
-        ENGINE_CORE_DEAD before the process exits with code 1."""
+        ENGINE_CORE_DEAD before the process exits with code 1. `log_config`:
+        the front end's logging (level, format), set up here too."""
         from minivllm.model_executor.models import ModelRegistry
+
+        if log_config is not None:
+            level, fmt = log_config
+            logging.basicConfig(level=level, format=fmt)
 
         for architecture, model_cls in registered_models.items():
             ModelRegistry.register_model(architecture, model_cls)

@@ -539,11 +539,23 @@ def launch_core_engine(
             output_address=output_address,
             identity=identity,
             registered_models=ModelRegistry.registered(),
+            log_config=_logging_config(),
         ),
         daemon=True,
     )
     proc.start()
     return proc
+
+
+def _logging_config() -> tuple[int, str | None] | None:
+    """The root logger's level and format, if this process set logging up
+    (the server does): a spawned process starts without it, and the engine
+    core's lines (its start, its failures) should show as the front end's do."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None
+    formatter = root.handlers[0].formatter
+    return root.level, formatter._fmt if formatter is not None else None
 
 
 def _stop_process(proc: BaseProcess | None) -> None:

@@ -1,9 +1,9 @@
 """V1's stat loggers in the front end (vLLM's `vllm/v1/metrics/loggers.py`).
 
 `AsyncLLM` hands every step's news to a `StatLoggerManager`: the engine
-core's `SchedulerStats` (queues, KV-cache usage, preemptions, prefix-cache
-lookups) and the front end's `IterationStats` (prompt and generated tokens,
-counted from the outputs), with the step's `RequestOutput`s. From those it
+core's `SchedulerStats` (queues, KV-cache usage, prefix-cache lookups) and
+the front end's `IterationStats` (prompt and generated tokens, and the
+preemptions the outputs' events bring), with the step's `RequestOutput`s. From those it
 builds the classic engine's `Stats`, so the very loggers the classic engine
 feeds run unchanged on V1: the server's `PrometheusStatLogger` (vLLM's
 `vllm:` metric names, its request timings from each output's

@@ -30,7 +30,7 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    generator: torch.Generator | None  # seeded requests draw from their own
+    generator: torch.Generator | None  # random requests with a seed draw from their own
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int]
