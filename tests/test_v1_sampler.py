@@ -188,3 +188,51 @@ def test_an_all_seeded_batch_leaves_the_shared_stream_alone():
     params[1] = SamplingParams(temperature=1.0)
     sampler(logits, metadata_of(params, [[1], [1]], [[], []], {0: generators[0]}))
     assert not torch.equal(sampler.generator.get_state(), before)
+
+
+def test_the_runner_hands_the_sampler_each_rows_parameters(tiny_model_dir, monkeypatch):
+    """`GPUModelRunner._sampling_metadata` from the rows' requests: a greedy
+    row, a seeded row with every truncation and penalty, a plain random row,
+    and min_tokens banning the stop tokens until enough outputs exist (the
+    stage no row uses is None). The oracle: the requests' parameters, read
+    here by hand."""
+    from minivllm import LLM
+
+    seen: list[SamplingMetadata] = []
+    original = Sampler.forward
+
+    def spy(self, logits, metadata):
+        seen.append(metadata)
+        return original(self, logits, metadata)
+
+    monkeypatch.setattr(Sampler, "forward", spy)
+    llm = LLM(tiny_model_dir("llama"), use_v1=True, max_model_len=64)
+    eos = llm.get_tokenizer().eos_token_id
+    params = [
+        SamplingParams(temperature=0, max_tokens=3),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=7, max_tokens=3,
+                       repetition_penalty=1.2, presence_penalty=0.5, min_tokens=2,
+                       stop_token_ids=[9], logit_bias={11: 2.0}),
+        SamplingParams(temperature=1.1, max_tokens=3, allowed_token_ids=[20, 21, 22]),
+    ]
+    llm.generate([{"prompt_token_ids": [5, 6, 7 + i]} for i in range(3)], params, use_tqdm=False)
+    first = seen[0]  # one step prefills all three: rows in request order
+    assert first.temperature.tolist() == pytest.approx([0.0, 0.8, 1.1])
+    assert first.greedy.tolist() == [True, False, False]
+    assert (first.all_greedy, first.all_random) == (False, False)
+    assert first.top_k.tolist() == [vocab_of(llm), 5, vocab_of(llm)]
+    assert first.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0])
+    assert first.min_p.tolist() == pytest.approx([0.0, 0.05, 0.0])
+    assert list(first.generators) == [1]
+    assert first.min_tokens_banned == [[], sorted({9, eos}), []]
+    assert first.allowed_token_ids == [None, None, [20, 21, 22]]
+    assert first.logit_bias == [None, {11: 2.0}, None]
+    assert first.repetition_penalties.tolist() == pytest.approx([1.0, 1.2, 1.0])
+    assert first.presence_penalties.tolist() == pytest.approx([0.0, 0.5, 0.0])
+    assert first.prompt_token_ids == [[5, 6, 7], [5, 6, 8], [5, 6, 9]]
+    assert all(m.min_tokens_banned[1] == [] for m in seen[2:])  # 2 outputs: no more ban
+    assert seen[-1].output_token_ids[0] and len(seen) == 3
+
+
+def vocab_of(llm) -> int:
+    return llm.llm_engine.model_config.hf_config.vocab_size
