@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.model_executor.layers.utils import supports_packed_cpu_gemm
+
 DEFAULT_BYTES = 256 * 2**20  # far past any CPU's last-level cache
 
 
@@ -137,10 +139,23 @@ def matmul_peak(
     n: int = 1024, dtype: torch.dtype = torch.float32, device: str = "cpu", repeats: int = 3
 ) -> Rate:
     """FLOP/s of an [n, n] @ [n, n] matmul in `dtype`: close to the arithmetic
-    peak for large n (use n >= 4096 and float16/bfloat16 on a GPU)."""
+    peak for large n (use n >= 4096 and float16/bfloat16 on a GPU).
+
+    By the faster of torch's matmul and, where the model's linear layers use
+    it, oneDNN's packed product (model_executor/layers/utils.py): torch's
+    matmul calls MKL, which on some CPUs takes a slower path (on an AMD
+    Zen 5 VM, half the packed product's rate), and a peak below what the
+    model's own products reach would make every fraction of it wrong."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     seconds = best_seconds(lambda: a @ b, repeats, device)
+    if supports_packed_cpu_gemm(b):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), None)
+
+        def packed_product() -> torch.Tensor:  # a @ b, b packed as a linear weight
+            return torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+
+        seconds = min(seconds, best_seconds(packed_product, repeats, device))
     return Rate("matmul", matmul_flops(n, n, n), seconds, "FLOP", str(device), repeats)
 
 
