@@ -107,7 +107,6 @@ class InputPreprocessor:
                 f"Request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, "
                 f"longer than max_model_len={max_len}"
             )
-        vocab = self.model_config.hf_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(
