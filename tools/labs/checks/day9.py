@@ -38,10 +38,12 @@ from transformers.generation.logits_process import (
 from minivllm import LLM, SamplingParams
 from minivllm.model_executor.layers.sampler import (
     Sampler,
+    apply_bias_and_allowed,
     apply_min_p,
     apply_min_tokens_penalty,
     apply_penalties,
     apply_top_k_top_p,
+    penalizes,
 )
 from minivllm.sampling_params import SamplingType
 from minivllm.sequence import num_samples_to_draw
@@ -125,12 +127,11 @@ class LabSampler(Sampler):
         def per_row(values, dtype=torch.float):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        logits = apply_bias_and_allowed(logits, params)
         banned = [sorted(p.all_stop_token_ids) if len(d.output_token_ids) < p.min_tokens else []
                   for p, d in zip(params, seq_data, strict=True)]
         logits = apply_min_tokens_penalty(logits, banned)
-        penalized = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-                        for p in params)
-        if self.penalties is not None or penalized:
+        if self.penalties is not None or any(penalizes(p) for p in params):
             args = (
                 logits,
                 [list(d.prompt_token_ids) for d in seq_data],

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
-from minivllm.sampling_params import SamplingType
+from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import (
     CompletionSequenceGroupOutput,
     Logprob,
@@ -99,6 +99,23 @@ def apply_allowed_token_ids(
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def penalizes(params: SamplingParams) -> bool:
+    """Whether any of the request's penalties is on (each at its neutral
+    value is a no-op, so a batch without one skips the token counts)."""
+    return bool(
+        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1
+    )
+
+
+def apply_bias_and_allowed(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Stage 0 of the module docstring, for the rows that ask for it."""
+    if any(p.logit_bias for p in params):
+        logits = apply_logit_bias(logits, [p.logit_bias for p in params])
+    if any(p.allowed_token_ids is not None for p in params):
+        logits = apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
+    return logits
+
+
 def get_token_bin_counts(
     token_ids: list[list[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
@@ -144,8 +161,8 @@ def apply_penalties(
 
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [num_rows, vocab_size]
-    top_k: torch.Tensor,  # [num_rows] int64; vocab_size = keep all
-    top_p: torch.Tensor,  # [num_rows] float; 1.0 = keep all
+    top_k: torch.Tensor | None,  # [num_rows] int64; vocab_size = keep all; None: no top-k
+    top_p: torch.Tensor | None,  # [num_rows] float; 1.0 = keep all; None: no top-p
 ) -> torch.Tensor:
     """Set to -inf every logit outside the top-k, then outside the top-p mass.
 
@@ -155,14 +172,14 @@ def apply_top_k_top_p(
     """
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
     vocab_size = logits.shape[-1]
-    # Top-k: the k-th largest is at ascending index vocab_size - k.
-    kth = sorted_logits.gather(-1, (vocab_size - top_k).unsqueeze(-1))
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    # Top-p: drop the low tail whose total probability is <= 1 - top_p.
-    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum_probs <= (1 - top_p).unsqueeze(-1)
-    drop[:, -1] = False  # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if top_k is not None:  # the k-th largest is at ascending index vocab_size - k
+        kth = sorted_logits.gather(-1, (vocab_size - top_k).unsqueeze(-1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:  # drop the low tail whose total probability is <= 1 - top_p
+        cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum_probs <= (1 - top_p).unsqueeze(-1)
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
@@ -310,10 +327,7 @@ class Sampler(nn.Module):
         def per_row(values: list, dtype: torch.dtype = torch.float) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        if any(p.logit_bias for p in params):
-            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
-        if any(p.allowed_token_ids is not None for p in params):
-            logits = apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
+        logits = apply_bias_and_allowed(logits, params)
         banned = [
             sorted(p.all_stop_token_ids) if len(d.output_token_ids) < p.min_tokens else []
             for p, d in zip(params, seq_data, strict=True)
@@ -321,9 +335,7 @@ class Sampler(nn.Module):
         logits = apply_min_tokens_penalty(logits, banned)
         # The token counts cost O(num_rows * vocab_size): skip them when no
         # row is penalized (every penalty at its neutral value is a no-op).
-        if any(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
-        ):
+        if any(penalizes(p) for p in params):
             logits = apply_penalties(
                 logits,
                 [d.prompt_token_ids for d in seq_data],

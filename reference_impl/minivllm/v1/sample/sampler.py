@@ -79,14 +79,7 @@ class Sampler(nn.Module):
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
-            num_rows, vocab_size = logits.shape
-            top_k = metadata.top_k
-            if top_k is None:
-                top_k = torch.full((num_rows,), vocab_size, device=logits.device)
-            top_p = metadata.top_p
-            if top_p is None:
-                top_p = torch.ones(num_rows, device=logits.device)
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         random_sampled = self.random_sample(logits.softmax(dim=-1), metadata.generators)
         if greedy_sampled is None:
             return random_sampled

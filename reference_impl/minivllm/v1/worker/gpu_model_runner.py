@@ -35,7 +35,7 @@ from minivllm.attention.layer import attention_layers
 from minivllm.attention.selector import get_attn_backend
 from minivllm.compilation import model_forward, set_forward_context
 from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
-from minivllm.model_executor.layers.sampler import get_position_logprobs
+from minivllm.model_executor.layers.sampler import get_position_logprobs, penalizes
 from minivllm.model_executor.layers.utils import packed_gemm_layers
 from minivllm.model_executor.model_loader import get_model
 from minivllm.sampling_params import SamplingType
@@ -302,18 +302,18 @@ class GPUModelRunner:
         def per_row(values: list, dtype: torch.dtype = torch.float) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        def stage(name: str, neutral, dtype: torch.dtype = torch.float) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in params]
-            return per_row(values, dtype) if any(v != neutral for v in values) else None
+        def column(name: str) -> torch.Tensor:
+            return per_row([getattr(p, name) for p in params])
+
+        def stage(name: str, neutral: float) -> torch.Tensor | None:
+            return column(name) if any(getattr(p, name) != neutral for p in params) else None
 
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        temperature = [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
-        penalized = any(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
-        )
+        penalized = any(penalizes(p) for p in params)
         return SamplingMetadata(
-            temperature=per_row([0.0 if g else p.temperature for p, g in zip(params, greedy,
-                                                                              strict=True)]),
+            temperature=per_row(temperature),
             greedy=per_row(greedy, torch.bool),
             all_greedy=all(greedy),
             all_random=not any(greedy),
@@ -327,13 +327,9 @@ class GPUModelRunner:
             ],
             allowed_token_ids=[p.allowed_token_ids for p in params],
             logit_bias=[p.logit_bias for p in params],
-            presence_penalties=per_row([p.presence_penalty for p in params]) if penalized else None,
-            frequency_penalties=per_row([p.frequency_penalty for p in params])
-            if penalized
-            else None,
-            repetition_penalties=per_row([p.repetition_penalty for p in params])
-            if penalized
-            else None,
+            presence_penalties=column("presence_penalty") if penalized else None,
+            frequency_penalties=column("frequency_penalty") if penalized else None,
+            repetition_penalties=column("repetition_penalty") if penalized else None,
             prompt_token_ids=[s.prompt_token_ids for s in states],
             output_token_ids=[s.output_token_ids for s in states],
         )
