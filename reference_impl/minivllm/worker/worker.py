@@ -36,6 +36,7 @@ from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.sequence import SequenceGroupMetadata
 from minivllm.utils import gib, host_memory_bytes, show
 from minivllm.worker.cache_engine import CacheEngine
+from minivllm.worker.cpu_threads import step_threads
 from minivllm.worker.model_runner import ModelInput, ModelRunner
 
 
@@ -217,7 +218,9 @@ class Worker:
         self.cache_engine.copy(worker_input["blocks_to_copy"])
         if model_input is None:
             return SamplerOutput([])
-        output = self.model_runner.execute_model(model_input, self.gpu_cache)
+        runner = self.model_runner
+        with step_threads(model_input.input_ids.shape[0], runner.one_thread_max_tokens):
+            output = runner.execute_model(model_input, self.gpu_cache)
         return output if output is not None else SamplerOutput([])
 
     def _unpack(self, received: dict[str, Any]) -> tuple[dict[str, Any], ModelInput | None]:

@@ -12,6 +12,7 @@ from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerCon
 from minivllm.v1.core.sched.output import SchedulerOutput
 from minivllm.v1.outputs import ModelRunnerOutput
 from minivllm.v1.worker.gpu_model_runner import GPUModelRunner
+from minivllm.worker.cpu_threads import step_threads
 from minivllm.worker.worker import Worker as ClassicWorker
 
 
@@ -43,4 +44,6 @@ class Worker(ClassicWorker):
         piece by piece around attention): its steps all run eagerly."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        with step_threads(num_tokens, self.model_runner.one_thread_max_tokens):
+            return self.model_runner.execute_model(scheduler_output)
