@@ -115,7 +115,9 @@ def _prefer_passive_openmp_threads() -> None:
     so while Numba's threads attend torch's spin on the same cores, and the
     other way round while torch multiplies: on 2 cores decode steps ran 2-4x
     slower than with passive waiting, far worse with another job on the
-    machine. A passive thread sleeps at once; waking it costs microseconds.
+    machine. A passive thread sleeps at once; waking it costs microseconds,
+    tens of them on our VMs, paid by every parallel region: small steps run
+    on one thread instead (worker/cpu_threads.py).
 
     libgomp reads the variable once, when it is loaded (torch's at `import
     torch`, Numba's at its first parallel kernel): it takes effect only if
