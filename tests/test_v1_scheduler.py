@@ -854,3 +854,47 @@ def test_a_waiting_request_is_admitted_only_if_its_whole_prompt_fits(reserve_ful
     else:
         assert second.num_scheduled_tokens == {"A": 1, "B": 7}
         assert third.num_scheduled_tokens == {"A": 1} and third.preempted_req_ids == {"B"}
+
+
+# -- the common prefix (cascade attention's count) -------------------------
+
+
+def test_num_common_prefix_blocks_counts_the_blocks_every_running_request_holds():
+    """Block size 4. A's prompt is 10 tokens: blocks [1, 2, 3], 2 full and
+    cached. Alone, all 3 of its blocks are held by every running request
+    (itself): 3. B and C start with A's 8 tokens plus tails of their own, so
+    they hit A's 2 full blocks and take new ones after: the first 2 blocks
+    have ref_cnt 3 = the requests holding blocks, the third is A's alone: 2.
+    D shares nothing: 0, until D finishes: 2 again. When A ends, B and C
+    still share the 2 blocks (ref_cnt 2, two holders): 2."""
+    s = make_scheduler(budget=32)
+    prefix = toks(100, 8)
+    s.add_request(a := make_request("A", prefix + [900, 901], max_tokens=4))
+    out, _ = step(s)
+    assert out.num_common_prefix_blocks == 3 and block_ids(s, "A") == [1, 2, 3]
+    s.add_request(make_request("B", prefix + [910, 911, 912], max_tokens=8))
+    s.add_request(make_request("C", prefix + [920], max_tokens=8))
+    out, _ = step(s)
+    assert block_ids(s, "B")[:2] == block_ids(s, "C")[:2] == [1, 2]
+    assert out.num_common_prefix_blocks == 2
+    s.add_request(make_request("D", toks(500, 5), max_tokens=1))
+    out, _ = step(s)  # D's prompt is computed and D ends with its one token
+    assert "D" in out.num_scheduled_tokens and out.num_common_prefix_blocks == 0
+    out, _ = step(s)  # A's fourth and last token
+    assert out.num_common_prefix_blocks == 2 and a.is_finished()
+    out, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {"B", "C"} and out.num_common_prefix_blocks == 2
+
+
+def test_num_common_prefix_blocks_without_prefix_caching_is_zero_with_two_requests():
+    """Without the prefix cache nothing is shared: the same prompt twice
+    gets blocks of its own, so two running requests have no common block;
+    an empty running queue reports 0 too."""
+    s = make_scheduler(caching=False)
+    out, _ = step(s)
+    assert out.num_common_prefix_blocks == 0
+    for rid in "AB":
+        s.add_request(make_request(rid, toks(100, 8), max_tokens=4))
+    out, _ = step(s)
+    assert block_ids(s, "A") != block_ids(s, "B")
+    assert out.num_common_prefix_blocks == 0

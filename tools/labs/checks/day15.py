@@ -388,6 +388,11 @@ def finish_schedule(
         ),
         num_scheduled_tokens=num_scheduled_tokens,
         total_num_scheduled_tokens=total,
+        num_common_prefix_blocks=(
+            scheduler.kv_cache_manager.get_num_common_prefix_blocks(scheduler.running[0].request_id)
+            if scheduler.running
+            else 0
+        ),
         # This step's victims, and any preempted since the last step.
         preempted_req_ids=scheduler.reset_preempted_req_ids
         | {r.request_id for r in preempted_reqs},

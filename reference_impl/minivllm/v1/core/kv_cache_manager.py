@@ -17,6 +17,9 @@ The scheduler asks it three things:
   The request's blocks that the step fills are cached at once.
 - `free(request)`: give every block back, last block first.
 
+After scheduling it asks `get_num_common_prefix_blocks`: how many first
+blocks all running requests share.
+
 `reset_prefix_cache` empties the cache once no request holds a block (the
 scheduler preempts the running ones first if asked to), and flags the
 next `PrefixCacheStats` so the front end's hit rate starts again.
@@ -194,6 +197,21 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.get_blocks(request_id).get_block_ids()
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """How many first blocks every request holding blocks shares: the
+        run of the request's blocks whose `ref_cnt` (their holders) equals
+        the number of such requests. Any running request gives the same
+        count, so the scheduler asks with the first. Cascade attention
+        would attend to this shared prefix once for the whole batch; we
+        have no cascade attention, so the count is only reported
+        (`SchedulerOutput.num_common_prefix_blocks`)."""
+        num_common_blocks = 0
+        for block in self.req_to_blocks[running_request_id]:
+            if block.ref_cnt != len(self.req_to_blocks):
+                break
+            num_common_blocks += 1
+        return num_common_blocks
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (refused, False, while a request holds

@@ -69,6 +69,9 @@ class SchedulerOutput:
     # request id -> tokens to compute for it this step
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
+    # first blocks all running requests share (cascade attention's prefix;
+    # vLLM keeps one count per KV-cache group, we have one group)
+    num_common_prefix_blocks: int
     # requests preempted in this step (back in the waiting queue)
     preempted_req_ids: set[str]
     # requests finished since the last step: the worker drops their state

@@ -256,6 +256,13 @@ class Scheduler:
         assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
         assert len(self.running) <= self.max_num_running_reqs
 
+        # The longest prefix all running requests share (for cascade attention).
+        num_common_prefix_blocks = 0
+        if self.running:
+            num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
+                self.running[0].request_id
+            )
+
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData.from_request(r, req_to_new_blocks[r.request_id].get_block_ids())
@@ -266,6 +273,7 @@ class Scheduler:
             ),
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total_num_scheduled_tokens,
+            num_common_prefix_blocks=num_common_prefix_blocks,
             preempted_req_ids=self.reset_preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
         )
