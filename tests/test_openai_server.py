@@ -443,6 +443,25 @@ def test_logit_bias_and_allowed_token_ids_answer_as_offline(server, client, llm)
     assert info.value.body["param"] == "logit_bias"
 
 
+def test_bad_words_answer_as_offline(server, client, llm):
+    """vLLM's bad_words: the offline engine's text for the same words, on
+    both endpoints, without the word the plain run said."""
+    greedy = dict(temperature=0, max_tokens=8)
+    plain = offline(llm, PROMPTS[0], **greedy).outputs[0]
+    word = plain.text.split()[0]
+    expected = offline(llm, PROMPTS[0], bad_words=[word], **greedy).outputs[0]
+    assert expected.text != plain.text
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0],
+                                    extra_body={"bad_words": [word]}, **greedy)
+    assert got.choices[0].text == expected.text
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat_plain = client.chat.completions.create(model=MODEL, messages=messages, **greedy)
+    said = chat_plain.choices[0].message.content.split()[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages,
+                                          extra_body={"bad_words": [said]}, **greedy)
+    assert said not in chat.choices[0].message.content.split()[:1]
+
+
 def test_echo_with_logprobs_scores_the_prompt(server, client, llm):
     """vLLM's echo: the prompt's tokens and logprobs come first (the first
     token's null: nothing predicts it), then the answer's; with max_tokens=0
@@ -610,6 +629,8 @@ BAD_FIELDS = [
     ("logit_bias", {"1000000": 2}),
     ("allowed_token_ids", []),
     ("allowed_token_ids", [-3]),
+    ("bad_words", "cat"),
+    ("bad_words", ["cat", " "]),
     ("suffix", "x"),
     ("stream_options", {"include_usage": True}),
     ("skip_special_tokens", "no"),

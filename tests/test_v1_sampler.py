@@ -47,6 +47,9 @@ def metadata_of(params, prompts, outputs, generators=None, vocab=VOCAB) -> Sampl
                            for p, o in zip(params, outputs, strict=True)],
         allowed_token_ids=[p.allowed_token_ids for p in params],
         logit_bias=[p.logit_bias for p in params],
+        bad_words_token_ids={
+            i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids
+        },
         presence_penalties=torch.tensor([p.presence_penalty for p in params]),
         frequency_penalties=torch.tensor([p.frequency_penalty for p in params]),
         repetition_penalties=torch.tensor([p.repetition_penalty for p in params]),
@@ -213,7 +216,8 @@ def test_the_runner_hands_the_sampler_each_rows_parameters(tiny_model_dir, monke
         SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=7, max_tokens=3,
                        repetition_penalty=1.2, presence_penalty=0.5, min_tokens=2,
                        stop_token_ids=[9], logit_bias={11: 2.0}),
-        SamplingParams(temperature=1.1, max_tokens=3, allowed_token_ids=[20, 21, 22]),
+        SamplingParams(temperature=1.1, max_tokens=3, allowed_token_ids=[20, 21, 22],
+                       bad_words=["ab"]),
     ]
     llm.generate([{"prompt_token_ids": [5, 6, 7 + i]} for i in range(3)], params, use_tqdm=False)
     first = seen[0]  # one step prefills all three: rows in request order
@@ -227,6 +231,8 @@ def test_the_runner_hands_the_sampler_each_rows_parameters(tiny_model_dir, monke
     assert first.min_tokens_banned == [[], sorted({9, eos}), []]
     assert first.allowed_token_ids == [None, None, [20, 21, 22]]
     assert first.logit_bias == [None, {11: 2.0}, None]
+    assert first.bad_words_token_ids == {2: params[2].bad_words_token_ids}
+    assert params[2].bad_words_token_ids  # filled when the request was added
     assert first.repetition_penalties.tolist() == pytest.approx([1.0, 1.2, 1.0])
     assert first.presence_penalties.tolist() == pytest.approx([0.0, 0.5, 0.0])
     assert first.prompt_token_ids == [[5, 6, 7], [5, 6, 8], [5, 6, 9]]

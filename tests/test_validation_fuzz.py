@@ -101,6 +101,9 @@ SAMPLING_FIELDS = {
     ),
     "allowed_token_ids": st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=1,
                                                       max_size=4)),
+    "bad_words": st.one_of(
+        st.none(), st.lists(st.sampled_from(["a", "the", " x", "once upon", "é"]), max_size=3)
+    ),
 }
 
 ENGINE_FIELDS = {

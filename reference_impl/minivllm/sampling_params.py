@@ -73,6 +73,11 @@ class SamplingParams:
         stage (OpenAI's, in [-100, 100]: -100 all but bans a token, +100 all
         but forces it).
     allowed_token_ids: only these tokens can be sampled.
+    bad_words: words the output must not contain. Each is tokenized as it
+        would appear at the start of a text and after a space
+        (`update_from_tokenizer`); a word of one token is never sampled, one
+        of several loses its last token whenever the output ends with the
+        others (vLLM's V1 `bad_words`).
     """
 
     n: int = 1
@@ -97,11 +102,17 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Every token id that ends this request: stop_token_ids, plus the EOS ids
     # that the engine adds when it accepts the request
     # (`update_from_generation_config`). The sampler masks them while fewer
     # than min_tokens tokens exist.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
+    # The bad words as token ids, both spellings of each: filled by
+    # `update_from_tokenizer` when the engine accepts the request.
+    _bad_words_token_ids: list[list[int]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self._verify_args()
@@ -137,6 +148,30 @@ class SamplingParams:
         extra = eos_token_ids - {model_eos_token_id} - set(self.stop_token_ids)
         if extra and not self.ignore_eos:
             self.stop_token_ids = list(self.stop_token_ids) + sorted(extra)
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Turn `bad_words` into token ids (vLLM's method of the same name,
+        called when the engine accepts the request). A tokenizer spells a
+        word differently at the start of a text and after a space (" word"
+        is often one token where "word" is two), so each word is encoded
+        both ways; the second spelling is kept only if it differs in its
+        first token and has as many tokens as the first, as vLLM keeps it."""
+        if not self.bad_words:
+            return
+        self._bad_words_token_ids = []
+        for bad_word in self.bad_words:
+            for add_prefix_space in (False, True):
+                text = (" " if add_prefix_space else "") + bad_word.lstrip()
+                token_ids = tokenizer.encode(text, add_special_tokens=False)
+                if not token_ids:
+                    raise ValueError(f"bad_words: {bad_word!r} encodes to no token")
+                last = self._bad_words_token_ids[-1] if add_prefix_space else None
+                if last is None or (token_ids[0] != last[0] and len(token_ids) == len(last)):
+                    self._bad_words_token_ids.append(token_ids)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
 
     def _verify_args(self) -> None:
         """Check every field, and store it in its plain type (an int given
@@ -216,6 +251,7 @@ class SamplingParams:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be None or a non-empty list, got []")
+        self.bad_words = self._normalize_bad_words(self.bad_words)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "spaces_between_special_tokens"):
             check_bool(name, getattr(self, name))
@@ -264,6 +300,17 @@ class SamplingParams:
             for value in bias.values()
         ]
         return dict(zip(token_ids, values, strict=True))
+
+    @staticmethod
+    def _normalize_bad_words(words: list[str] | None) -> list[str] | None:
+        if words is None:
+            return None
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise WrongTypeError(f"bad_words must be None or a list of strings, got {show(words)}")
+        blank = [w for w in words if not w.strip()]
+        if blank:
+            raise ValueError(f"bad_words must be words, not empty or blank strings, got {blank}")
+        return list(words)
 
     @property
     def sampling_type(self) -> SamplingType:

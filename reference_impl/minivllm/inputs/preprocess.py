@@ -113,12 +113,17 @@ class InputPreprocessor:
                 f"Request {request_id!r}: prompt token ids {bad[:5]} are outside the "
                 f"vocabulary [0, {vocab})"
             )
+        try:
+            params.update_from_tokenizer(self.tokenizer)
+        except ValueError as e:
+            raise ValueError(f"Request {request_id!r}: {e}") from None
         # The sampler indexes the logits with them (stop tokens are banned
         # before min_tokens): an id past the vocabulary would fail in a step.
         for what, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias token ids", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words token ids", [t for w in params.bad_words_token_ids or () for t in w]),
         ):
             bad = [t for t in ids if t >= vocab]
             if bad:

@@ -38,10 +38,10 @@ from transformers.generation.logits_process import (
 from minivllm import LLM, SamplingParams
 from minivllm.model_executor.layers.sampler import (
     Sampler,
-    apply_bias_and_allowed,
     apply_min_p,
     apply_min_tokens_penalty,
     apply_penalties,
+    apply_request_logits_processors,
     apply_top_k_top_p,
     penalizes,
 )
@@ -127,7 +127,9 @@ class LabSampler(Sampler):
         def per_row(values, dtype=torch.float):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        logits = apply_bias_and_allowed(logits, params)
+        logits = apply_request_logits_processors(
+            logits, params, [d.output_token_ids for d in seq_data]
+        )
         banned = [sorted(p.all_stop_token_ids) if len(d.output_token_ids) < p.min_tokens else []
                   for p, d in zip(params, seq_data, strict=True)]
         logits = apply_min_tokens_penalty(logits, banned)

@@ -159,6 +159,8 @@ class SamplingRequest(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's: only these tokens can be sampled.
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output must not contain (SamplingParams.bad_words).
+    bad_words: list[str] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -194,7 +196,7 @@ class SamplingRequest(OpenAIBaseModel):
             "n best_of temperature top_p top_k min_p presence_penalty frequency_penalty "
             "repetition_penalty seed stop stop_token_ids include_stop_str_in_output "
             "ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens "
-            "prompt_logprobs allowed_token_ids"
+            "prompt_logprobs allowed_token_ids bad_words"
         ).split()
         kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.logit_bias is not None:

@@ -2,7 +2,7 @@
 
 Each row goes through vLLM's steps, in vLLM's order:
 
-0. logit_bias, then allowed_token_ids (vLLM v0.6's server turns them into
+0. logit_bias, allowed_token_ids, then bad_words (vLLM v0 turns them into
    logits processors, which run before the sampler);
 1. min_tokens: while a sequence has fewer outputs than `min_tokens`, every
    token that would end it (EOS, `stop_token_ids`) is set to -inf;
@@ -99,6 +99,25 @@ def apply_allowed_token_ids(
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def apply_bad_words(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    bad_words_token_ids: dict[int, list[list[int]]],  # row -> its bad words' token ids
+    output_token_ids: list[list[int]],  # per row: the tokens generated so far
+) -> torch.Tensor:
+    """Ban each bad word's last token wherever the row's output ends with
+    the word's other tokens: a one-token word always, a longer one only
+    right after its beginning (vLLM's `apply_bad_words`; only generated
+    tokens are looked at, not the prompt)."""
+    logits = logits.clone()
+    for row, words in bad_words_token_ids.items():
+        past = output_token_ids[row]
+        for word in words:
+            prefix = word[:-1]
+            if len(prefix) <= len(past) and past[len(past) - len(prefix) :] == prefix:
+                logits[row, word[-1]] = float("-inf")
+    return logits
+
+
 def penalizes(params: SamplingParams) -> bool:
     """Whether any of the request's penalties is on (each at its neutral
     value is a no-op, so a batch without one skips the token counts)."""
@@ -107,12 +126,21 @@ def penalizes(params: SamplingParams) -> bool:
     )
 
 
-def apply_bias_and_allowed(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Stage 0 of the module docstring, for the rows that ask for it."""
+def apply_request_logits_processors(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],  # per row
+) -> torch.Tensor:
+    """Stage 0 of the module docstring, for the rows that ask for it: what
+    vLLM v0 ran as each request's logits processors
+    (`LogitsProcessor._apply_logits_processors`)."""
     if any(p.logit_bias for p in params):
         logits = apply_logit_bias(logits, [p.logit_bias for p in params])
     if any(p.allowed_token_ids is not None for p in params):
         logits = apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
+    bad_words = {i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids}
+    if bad_words:
+        logits = apply_bad_words(logits, bad_words, output_token_ids)
     return logits
 
 
@@ -327,7 +355,9 @@ class Sampler(nn.Module):
         def per_row(values: list, dtype: torch.dtype = torch.float) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        logits = apply_bias_and_allowed(logits, params)
+        logits = apply_request_logits_processors(
+            logits, params, [d.output_token_ids for d in seq_data]
+        )
         banned = [
             sorted(p.all_stop_token_ids) if len(d.output_token_ids) < p.min_tokens else []
             for p, d in zip(params, seq_data, strict=True)

@@ -33,6 +33,8 @@ class SamplingMetadata:
     # added to its logits (None: none).
     allowed_token_ids: list[list[int] | None]
     logit_bias: list[dict[int, float] | None]
+    # Row -> its bad words' token ids, for the rows that have any.
+    bad_words_token_ids: dict[int, list[list[int]]]
     # The penalties: None when every row has them off.
     presence_penalties: torch.Tensor | None  # [num_rows]
     frequency_penalties: torch.Tensor | None  # [num_rows]

@@ -4,8 +4,8 @@ The stages are the classic sampler's functions (model_executor/layers/
 sampler.py), in V1's order, which differs in one place:
 
 1. the logits processors that can change any row's argmax, greedy rows
-   included: allowed_token_ids, min_tokens (the stop tokens banned),
-   logit_bias, then the penalties;
+   included: allowed_token_ids, bad_words, min_tokens (the stop tokens
+   banned), logit_bias, then the penalties;
 2. greedy rows take the argmax of that;
 3. random rows: temperature, then min-p (an "argmax-invariant" logits
    processor in vLLM: it never drops the most likely token), then top-k and
@@ -26,6 +26,7 @@ from torch import nn
 
 from minivllm.model_executor.layers.sampler import (
     apply_allowed_token_ids,
+    apply_bad_words,
     apply_logit_bias,
     apply_min_p,
     apply_min_tokens_penalty,
@@ -56,6 +57,10 @@ class Sampler(nn.Module):
     ) -> torch.Tensor:
         if any(ids is not None for ids in metadata.allowed_token_ids):
             logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids)
+        if metadata.bad_words_token_ids:
+            logits = apply_bad_words(
+                logits, metadata.bad_words_token_ids, metadata.output_token_ids
+            )
         if any(metadata.min_tokens_banned):
             logits = apply_min_tokens_penalty(logits, metadata.min_tokens_banned)
         if any(metadata.logit_bias):

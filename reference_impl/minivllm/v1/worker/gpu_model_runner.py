@@ -332,6 +332,9 @@ class GPUModelRunner:
             ],
             allowed_token_ids=[p.allowed_token_ids for p in params],
             logit_bias=[p.logit_bias for p in params],
+            bad_words_token_ids={
+                i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids
+            },
             presence_penalties=column("presence_penalty") if penalized else None,
             frequency_penalties=column("frequency_penalty") if penalized else None,
             repetition_penalties=column("repetition_penalty") if penalized else None,
