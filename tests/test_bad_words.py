@@ -7,6 +7,8 @@ its `NoBadWordsLogitsProcessor`), greedy."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -71,6 +73,13 @@ def test_both_spellings_are_kept_when_they_differ_only_in_the_first_token(model)
         SamplingParams(bad_words="cat")
 
 
+def token_ids_of(params: SamplingParams, tokenizer) -> list[list[int]]:
+    """The bad words' token ids, as the engine computes them on its copy."""
+    tokenized = copy.copy(params)
+    tokenized.update_from_tokenizer(tokenizer)
+    return tokenized.bad_words_token_ids
+
+
 def hf_greedy(hf, **kwargs) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=MAX_TOKENS,
@@ -108,14 +117,15 @@ def test_greedy_runs_avoid_the_words_as_hugging_faces_do(model, hf_model, use_v1
                            [*params, SamplingParams(**greedy)], use_tqdm=False)
     assert list(outputs[2].outputs[0].token_ids) == plain
     for p, out in zip(params, outputs, strict=False):
-        ids = p.bad_words_token_ids  # filled when the request was added
+        assert p.bad_words_token_ids is None  # the engine tokenized its own copy
+        ids = token_ids_of(p, tokenizer)
         assert any(contains(plain, w) for w in ids)  # the plain run says it: the test can fail
         # HF matches a word's start against the prompt too; none here ends with one.
         assert all(PROMPT[-len(w) + 1 :] != w[:-1] for w in ids if len(w) > 1)
         expected = hf_greedy(hf, bad_words_ids=ids)
         assert expected != plain and not any(contains(expected, w) for w in ids)
         assert list(out.outputs[0].token_ids) == expected
-    assert max(len(w) for w in params[1].bad_words_token_ids) > 1  # a word of several tokens
+    assert max(len(w) for w in token_ids_of(params[1], tokenizer)) > 1  # several tokens
 
 
 @pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
@@ -127,3 +137,83 @@ def test_a_word_the_vocabulary_cannot_hold_is_refused(model, use_v1, monkeypatch
     with pytest.raises(ValueError, match=r"bad_words token ids \[\d+\] are outside"):
         engine.add_request("r", {"prompt_token_ids": PROMPT}, SamplingParams(bad_words=["x"]))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_ban_that_would_leave_nothing_to_sample_is_not_applied():
+    """Row 0 allows only tokens 3 and 4 (the rest -inf) and its output ends
+    with 1: the words "1 3" and "1 4" would ban both, so neither is banned.
+    Row 1, with 5 also allowed, loses 3 and 4."""
+    logits = torch.full((2, 8), float("-inf"))
+    logits[0, [3, 4]] = 0.0
+    logits[1, [3, 4, 5]] = 0.0
+    words = [[1, 3], [1, 4]]
+    out = apply_bad_words(logits, {0: words, 1: words}, [[1], [1]])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [3, 4]
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5]
+
+
+def test_the_ids_follow_the_words_and_a_failed_tokenization_leaves_none(model):
+    tokenizer = LLM(model, max_model_len=64).get_tokenizer()
+    params = SamplingParams(bad_words=["cat"])
+    params.update_from_tokenizer(tokenizer)
+    assert params.bad_words_token_ids
+    params.bad_words = None
+    params.update_from_tokenizer(tokenizer)
+    assert params.bad_words_token_ids is None
+
+
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
+def test_every_sample_of_n_avoids_the_words(model, use_v1):
+    """n=2 with a seed: each sample of the plain request says a word (one
+    of its tokens); with both words banned, neither sample says either. (V1 fans n out into
+    child requests, each with its own params.)"""
+    llm = LLM(model, use_v1=use_v1, max_model_len=64)
+    tokenizer = llm.get_tokenizer()
+    sampled = dict(n=2, temperature=0.7, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    [plain] = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(**sampled),
+                           use_tqdm=False)
+    samples = [list(c.token_ids) for c in plain.outputs]
+    # A word from each sample: a token the tokenizer spells back alone.
+    words = [
+        next(tokenizer.decode([t]) for t in sample
+             if tokenizer.encode(tokenizer.decode([t]).lstrip(), add_special_tokens=False) == [t])
+        for sample in samples
+    ]
+    params = SamplingParams(**sampled, bad_words=words)
+    ids = token_ids_of(params, tokenizer)
+    assert all(any(contains(s, w) for w in ids) for s in samples)  # the test can fail
+    [out] = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    assert len(out.outputs) == 2
+    for completion in out.outputs:
+        assert not any(contains(list(completion.token_ids), w) for w in ids)
+
+
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
+def test_words_that_could_leave_nothing_to_sample_are_refused(model, use_v1):
+    engine = LLM(model, use_v1=use_v1, max_model_len=64).llm_engine
+    tokenizer = engine.tokenizer
+    one = [t for t in range(40, 400) if tokenizer.encode(
+        tokenizer.decode([t]).lstrip(), add_special_tokens=False) == [t]][:2]
+    words = [tokenizer.decode([t]) for t in one]
+    banned = set()
+    for w in words:
+        banned |= {ids[-1] for ids in token_ids_of(SamplingParams(bad_words=[w]), tokenizer)}
+    eos = tokenizer.eos_token_id
+    cases = [
+        (dict(allowed_token_ids=sorted(banned), bad_words=words), "ban every token"),
+        (dict(allowed_token_ids=[*sorted(banned), eos], bad_words=words, min_tokens=2),
+         "could have none left"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request("r", {"prompt_token_ids": PROMPT}, SamplingParams(**kwargs))
+        assert not engine.has_unfinished_requests()
+    # One allowed token that is not banned is enough.
+    free = next(t for t in range(40, 400) if t not in banned and t != eos)
+    engine.add_request("ok", {"prompt_token_ids": PROMPT},
+                       SamplingParams(allowed_token_ids=[*sorted(banned), free], bad_words=words,
+                                      max_tokens=2))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert set(outputs[-1].outputs[0].token_ids) == {free}

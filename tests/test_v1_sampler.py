@@ -231,8 +231,9 @@ def test_the_runner_hands_the_sampler_each_rows_parameters(tiny_model_dir, monke
     assert first.min_tokens_banned == [[], sorted({9, eos}), []]
     assert first.allowed_token_ids == [None, None, [20, 21, 22]]
     assert first.logit_bias == [None, {11: 2.0}, None]
-    assert first.bad_words_token_ids == {2: params[2].bad_words_token_ids}
-    assert params[2].bad_words_token_ids  # filled when the request was added
+    words = SamplingParams(bad_words=["ab"])
+    words.update_from_tokenizer(llm.get_tokenizer())
+    assert first.bad_words_token_ids == {2: words.bad_words_token_ids}
     assert first.repetition_penalties.tolist() == pytest.approx([1.0, 1.2, 1.0])
     assert first.presence_penalties.tolist() == pytest.approx([0.0, 0.5, 0.0])
     assert first.prompt_token_ids == [[5, 6, 7], [5, 6, 8], [5, 6, 9]]

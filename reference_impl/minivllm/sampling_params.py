@@ -73,11 +73,12 @@ class SamplingParams:
         stage (OpenAI's, in [-100, 100]: -100 all but bans a token, +100 all
         but forces it).
     allowed_token_ids: only these tokens can be sampled.
-    bad_words: words the output must not contain. Each is tokenized as it
-        would appear at the start of a text and after a space
+    bad_words: words not to generate, as token sequences: each is tokenized
+        as it would appear at the start of a text and after a space
         (`update_from_tokenizer`); a word of one token is never sampled, one
-        of several loses its last token whenever the output ends with the
-        others (vLLM's V1 `bad_words`).
+        of several loses its last token whenever the generated tokens end
+        with the others (vLLM's V1 `bad_words`). The same text spelled with
+        other tokens, or begun in the prompt, is not caught.
     """
 
     n: int = 1
@@ -157,17 +158,19 @@ class SamplingParams:
         both ways; the second spelling is kept only if it differs in its
         first token and has as many tokens as the first, as vLLM keeps it."""
         if not self.bad_words:
+            self._bad_words_token_ids = None
             return
-        self._bad_words_token_ids = []
+        words: list[list[int]] = []
         for bad_word in self.bad_words:
             for add_prefix_space in (False, True):
                 text = (" " if add_prefix_space else "") + bad_word.lstrip()
                 token_ids = tokenizer.encode(text, add_special_tokens=False)
                 if not token_ids:
                     raise ValueError(f"bad_words: {bad_word!r} encodes to no token")
-                last = self._bad_words_token_ids[-1] if add_prefix_space else None
+                last = words[-1] if add_prefix_space else None
                 if last is None or (token_ids[0] != last[0] and len(token_ids) == len(last)):
-                    self._bad_words_token_ids.append(token_ids)
+                    words.append(token_ids)
+        self._bad_words_token_ids = words
 
     @property
     def bad_words_token_ids(self) -> list[list[int]] | None:

@@ -172,9 +172,11 @@ class LLMEngine:
             request_id, prompt, params, arrival_time, priority
         )
         priority = int(priority)
-        # The request's own copy, to which the engine adds its EOS ids.
+        # The request's own copy, to which the engine adds its EOS ids and
+        # its bad words' token ids.
         params = copy.deepcopy(params)
         params.update_from_generation_config(self.eos_token_ids, self.tokenizer.eos_token_id)
+        params.update_from_tokenizer(self.tokenizer)
         # One sequence for the prompt; it forks into best_of after its prefill.
         seqs = [
             Sequence(

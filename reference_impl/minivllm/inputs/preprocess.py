@@ -7,6 +7,7 @@ with the same message, whichever engine runs it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import numpy as np
@@ -113,17 +114,21 @@ class InputPreprocessor:
                 f"Request {request_id!r}: prompt token ids {bad[:5]} are outside the "
                 f"vocabulary [0, {vocab})"
             )
+        # The bad words' token ids, on a copy: the engine fills its own copy
+        # (as vLLM tokenizes its clone), the caller's object is left alone.
+        tokenized = copy.copy(params)
         try:
-            params.update_from_tokenizer(self.tokenizer)
+            tokenized.update_from_tokenizer(self.tokenizer)
         except ValueError as e:
             raise ValueError(f"Request {request_id!r}: {e}") from None
+        bad_words = tokenized.bad_words_token_ids or []
         # The sampler indexes the logits with them (stop tokens are banned
         # before min_tokens): an id past the vocabulary would fail in a step.
         for what, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias token ids", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),
-            ("bad_words token ids", [t for w in params.bad_words_token_ids or () for t in w]),
+            ("bad_words token ids", [t for word in bad_words for t in word]),
         ):
             bad = [t for t in ids if t >= vocab]
             if bad:
@@ -147,7 +152,39 @@ class InputPreprocessor:
                 f"all stop or EOS tokens, so none could be sampled before min_tokens="
                 f"{params.min_tokens}"
             )
+        self._check_bad_words_leave_a_token(request_id, params, bad_words, stops, bans_stops)
         return prompt_text, prompt_token_ids
+
+    def _check_bad_words_leave_a_token(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        bad_words: list[list[int]],
+        stops: set[int],
+        bans_stops: bool,
+    ) -> None:
+        """Refuse bad words that could leave a step nothing to sample: the
+        one-token ones (banned at every step) covering every allowed token,
+        or, while min_tokens bans the stop tokens, the stops and the last
+        tokens of all bad words (each banned at some step) covering them.
+        (A step's other bans by longer words that leave nothing are undone
+        by the sampler: `apply_bad_words`.)"""
+        if not bad_words:
+            return
+        vocab = self.model_config.hf_config.vocab_size
+        candidates = set(params.allowed_token_ids or range(vocab))
+        if candidates <= {word[0] for word in bad_words if len(word) == 1}:
+            raise ValueError(
+                f"Request {request_id!r}: bad_words of one token ban every token "
+                f"{'allowed_token_ids allows' if params.allowed_token_ids else 'of the vocabulary'}"
+                ", so none could be sampled"
+            )
+        if bans_stops and candidates <= stops | {word[-1] for word in bad_words}:
+            raise ValueError(
+                f"Request {request_id!r}: the stop and EOS tokens and the bad_words' last tokens "
+                f"cover every token that could be sampled, so a step before min_tokens="
+                f"{params.min_tokens} could have none left"
+            )
 
     def process_prompt(
         self, prompt: PromptType, request_id: str = ""

@@ -107,14 +107,25 @@ def apply_bad_words(
     """Ban each bad word's last token wherever the row's output ends with
     the word's other tokens: a one-token word always, a longer one only
     right after its beginning (vLLM's `apply_bad_words`; only generated
-    tokens are looked at, not the prompt)."""
+    tokens are looked at, not the prompt).
+
+    Unlike vLLM, a row whose bans would leave no token to sample (its
+    allowed tokens all banned at this step) keeps its logits: a draw from
+    nothing would give token 0 whatever the row allows. The engine refuses
+    the requests for which that could happen at every step."""
     logits = logits.clone()
     for row, words in bad_words_token_ids.items():
         past = output_token_ids[row]
-        for word in words:
-            prefix = word[:-1]
-            if len(prefix) <= len(past) and past[len(past) - len(prefix) :] == prefix:
-                logits[row, word[-1]] = float("-inf")
+        banned = [
+            word[-1]
+            for word in words
+            if len(word) - 1 <= len(past) and past[len(past) - len(word) + 1 :] == word[:-1]
+        ]
+        if banned:
+            kept = logits[row].clone()
+            kept[banned] = float("-inf")
+            if torch.isfinite(kept).any():
+                logits[row] = kept
     return logits
 
 

@@ -207,7 +207,9 @@ class KVCacheManager:
         have no cascade attention, so the count is only reported
         (`SchedulerOutput.num_common_prefix_blocks`)."""
         num_common_blocks = 0
-        for block in self.req_to_blocks[running_request_id]:
+        # .get, not [] as vLLM: a lookup must not add an empty entry, which
+        # would count as a request holding blocks from then on.
+        for block in self.req_to_blocks.get(running_request_id, []):
             if block.ref_cnt != len(self.req_to_blocks):
                 break
             num_common_blocks += 1

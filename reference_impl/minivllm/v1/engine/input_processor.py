@@ -73,6 +73,7 @@ class InputProcessor:
         params = copy.deepcopy(params)
         eos_token_id = self.tokenizer.eos_token_id
         params.update_from_generation_config(self.eos_token_ids, eos_token_id)
+        params.update_from_tokenizer(self.tokenizer)
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - len(prompt_token_ids)
         request = EngineCoreRequest(

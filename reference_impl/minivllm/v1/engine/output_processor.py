@@ -17,10 +17,11 @@ straight into its `RequestOutputCollector`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -92,10 +93,13 @@ class ParentRequest:
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         seed = None if self.params.seed is None else self.params.seed + index
         params = replace(self.params, n=1, best_of=None, seed=seed)
-        # `replace` builds the stop set afresh from stop_token_ids: keep the
-        # EOS ids the input processor added, which the sampler bans before
-        # min_tokens.
-        params.all_stop_token_ids = set(self.params.all_stop_token_ids)
+        # `replace` runs __init__, which rebuilds the fields the engine fills
+        # (init=False): keep the parent's, the EOS ids the input processor
+        # added to the stop set and the bad words' token ids (vLLM copies
+        # the parent's params, which keeps them).
+        for f in fields(SamplingParams):
+            if not f.init:
+                setattr(params, f.name, copy.copy(getattr(self.params, f.name)))
         child_id = child_request_id(index, self.request_id)
         self.child_requests.add(child_id)
         return child_id, params

@@ -118,7 +118,9 @@ class GPUModelRunner:
         self.attn_layers = attention_layers(self.model)
         self.packed_layers = packed_gemm_layers(self.model)
         self.model_forward = model_forward(self.model, self.model_config.compilation_level)
-        self.one_thread_max_tokens = one_thread_max_tokens(self.packed_layers, self.device)
+        self.one_thread_max_tokens = one_thread_max_tokens(
+            self.packed_layers, self.device, self.model_config.compilation_level
+        )
 
     def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
