@@ -207,3 +207,22 @@ def test_small_steps_run_on_one_thread_with_the_same_bits(two_threads, tiny_mode
     assert {threads for _, threads in alone_steps} == {1, 2}
     assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in pooled]
     assert logprob_bits(alone) == logprob_bits(pooled)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_tensor_parallel_ranks_keep_their_threads(tiny_model_dir, monkeypatch,
+                                                  tensor_parallel_size):
+    """Whatever the timing says, a tensor-parallel worker never switches:
+    one rank on fewer threads would hold the others up at each all-reduce.
+    (The driver worker runs in this process, where the timing is patched.)"""
+    from minivllm.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "one_thread_max_tokens", lambda *args: 8)
+    llm = LLM(tiny_model_dir("llama"), tensor_parallel_size=tensor_parallel_size,
+              disable_log_stats=True, kv_cache_memory_bytes=1 << 22)
+    runner = llm.llm_engine.worker.model_runner
+    assert runner.one_thread_max_tokens == (8 if tensor_parallel_size == 1 else 0)
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                         SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    llm.llm_engine.model_executor.shutdown()

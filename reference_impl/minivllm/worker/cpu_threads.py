@@ -30,7 +30,10 @@ the runner times it once per model at load, on the model's own products
 sure one thread gives every product the bits the full pool gives it (the
 Numba kernels are written so that threads change no bit), so a sequence's
 tokens do not depend on whether its step ran on one thread or several.
-A compiled model (`compilation_level` > 0) keeps the pool for every step:
+Tensor-parallel ranks keep their threads too (`Worker.load_model`): each
+would time its own threshold, and one rank switching alone would hold the
+others up at every all-reduce. A compiled model (`compilation_level` > 0)
+keeps the pool for every step:
 TorchDynamo guards on the thread count, so a switch would compile a second
 graph (about 15 s) and break the promise that one graph serves every step.
 """

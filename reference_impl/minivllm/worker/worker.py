@@ -90,6 +90,11 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+        if self.parallel_config.world_size > 1:
+            # Tensor-parallel ranks keep their threads for every step: each
+            # would time a threshold of its own, and a rank on one thread
+            # while the others use more holds them up at every all-reduce.
+            self.model_runner.one_thread_max_tokens = 0
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that fit the memory budgets."""
