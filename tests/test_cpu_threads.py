@@ -6,6 +6,7 @@ logprobs, bit for bit, as steps run on the whole pool."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -210,18 +211,24 @@ def test_small_steps_run_on_one_thread_with_the_same_bits(two_threads, tiny_mode
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_tensor_parallel_ranks_keep_their_threads(tiny_model_dir, monkeypatch,
+def test_tensor_parallel_ranks_keep_their_threads(tiny_model_dir, monkeypatch, caplog,
                                                   tensor_parallel_size):
     """Whatever the timing says, a tensor-parallel worker never switches:
     one rank on fewer threads would hold the others up at each all-reduce.
-    (The driver worker runs in this process, where the timing is patched.)"""
+    (The driver worker runs in this process, where the timing is patched.)
+    A worker that switches says so in its start-up log."""
     from minivllm.worker import model_runner
 
     monkeypatch.setattr(model_runner, "one_thread_max_tokens", lambda *args: 8)
-    llm = LLM(tiny_model_dir("llama"), tensor_parallel_size=tensor_parallel_size,
-              disable_log_stats=True, kv_cache_memory_bytes=1 << 22)
+    with caplog.at_level(logging.INFO, logger="minivllm.worker.worker"):
+        llm = LLM(tiny_model_dir("llama"), tensor_parallel_size=tensor_parallel_size,
+                  disable_log_stats=True, kv_cache_memory_bytes=1 << 22)
     runner = llm.llm_engine.worker.model_runner
-    assert runner.one_thread_max_tokens == (8 if tensor_parallel_size == 1 else 0)
+    switches = tensor_parallel_size == 1
+    assert runner.one_thread_max_tokens == (8 if switches else 0)
+    said = [r.getMessage() for r in caplog.records if "on one CPU thread" in r.getMessage()]
+    assert said == (["steps of at most 8 tokens run on one CPU thread, larger ones on "
+                     f"{torch.get_num_threads()} (worker/cpu_threads.py)"] if switches else [])
     [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                          SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3

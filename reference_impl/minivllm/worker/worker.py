@@ -13,6 +13,7 @@ their cache, and run their shard. Only the driver samples.
 
 from __future__ import annotations
 
+import logging
 from fractions import Fraction
 from typing import Any
 
@@ -38,6 +39,8 @@ from minivllm.utils import gib, host_memory_bytes, show
 from minivllm.worker.cache_engine import CacheEngine
 from minivllm.worker.cpu_threads import step_threads
 from minivllm.worker.model_runner import ModelInput, ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -95,6 +98,13 @@ class Worker:
             # would time a threshold of its own, and a rank on one thread
             # while the others use more holds them up at every all-reduce.
             self.model_runner.one_thread_max_tokens = 0
+        if self.model_runner.one_thread_max_tokens:
+            logger.info(
+                "steps of at most %d tokens run on one CPU thread, larger ones on %d "
+                "(worker/cpu_threads.py)",
+                self.model_runner.one_thread_max_tokens,
+                torch.get_num_threads(),
+            )
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that fit the memory budgets."""
