@@ -280,6 +280,9 @@ class SingleRequest:
     weight_bytes: int
     read_bandwidth: float  # bytes/s, the best measured in this process
     agreement: dict  # the engine's greedy tokens against HF's
+    # The engine ran steps of at most this many tokens on one CPU thread
+    # (worker/cpu_threads.py, timed when it loaded; 0: never).
+    one_thread_max_tokens: int
 
     @property
     def weight_floor(self) -> float:
@@ -304,6 +307,7 @@ class SingleRequest:
             "engine_over_floor": self.engine_tpot.median / floor,
             "hf_over_floor": self.hf_tpot.median / floor,
             "greedy_agreement": self.agreement,
+            "one_thread_max_tokens": self.one_thread_max_tokens,
         }
 
 
@@ -349,6 +353,7 @@ def run_single_request(
         weight_bytes(hf),
         max(bandwidths),
         agreement([r.tokens for r in engine_runs], [r.tokens for r in hf_runs]).summary(),
+        llm.llm_engine.worker.model_runner.one_thread_max_tokens,
     )
 
 
@@ -381,6 +386,9 @@ def print_single_request(single: SingleRequest) -> None:
         f"{s['engine_over_floor']:.1f}x of it; greedy tokens identical in "
         f"{a['identical']}/{a['compared']} runs"
     )
+    if single.one_thread_max_tokens:
+        print(f"the engine ran steps of at most {single.one_thread_max_tokens} tokens on one "
+              "CPU thread (worker/cpu_threads.py)")
 
 
 def plot(runs: list[LatencyRun], path) -> None:
