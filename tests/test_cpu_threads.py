@@ -145,10 +145,11 @@ def test_one_thread_gives_the_pools_bits_for_real_layers(two_threads, tiny_model
             assert torch.equal(pooled.view(torch.int32), alone.view(torch.int32))
 
 
-def run_and_spy(llm: LLM, runner, max_tokens: int) -> tuple[list, list[tuple[int, int]]]:
+def run_and_spy(llm: LLM, worker, max_tokens: int) -> tuple[list, list[tuple[int, int]]]:
     """Outputs of a mixed workload with steps of at most `max_tokens` tokens
-    on one thread, and (tokens, threads) of every step the runner ran."""
-    runner.one_thread_max_tokens = max_tokens
+    on one thread, and (tokens, threads) of every step the worker's runner ran."""
+    worker.one_thread_max_tokens = max_tokens
+    runner = worker.model_runner
     seen: list[tuple[int, int]] = []
     execute = runner.execute_model
 
@@ -193,12 +194,11 @@ def test_small_steps_run_on_one_thread_with_the_same_bits(two_threads, tiny_mode
         enable_prefix_caching=False,
     )
     engine = llm.llm_engine
-    runner = (
-        engine.engine_core.engine_core.model_executor.driver_worker.model_runner
-        if use_v1 else engine.worker.model_runner
+    worker = (
+        engine.engine_core.engine_core.model_executor.driver_worker if use_v1 else engine.worker
     )
-    pooled, pooled_steps = run_and_spy(llm, runner, 0)
-    alone, alone_steps = run_and_spy(llm, runner, 4)
+    pooled, pooled_steps = run_and_spy(llm, worker, 0)
+    alone, alone_steps = run_and_spy(llm, worker, 4)
     assert {threads for _, threads in pooled_steps} == {2}
     assert [tokens for tokens, _ in alone_steps] == [tokens for tokens, _ in pooled_steps]
     # Exactly the steps of at most 4 tokens ran on one thread, and there were both kinds.
@@ -217,15 +217,14 @@ def test_tensor_parallel_ranks_keep_their_threads(tiny_model_dir, monkeypatch, c
     one rank on fewer threads would hold the others up at each all-reduce.
     (The driver worker runs in this process, where the timing is patched.)
     A worker that switches says so in its start-up log."""
-    from minivllm.worker import model_runner
+    from minivllm.worker import worker
 
-    monkeypatch.setattr(model_runner, "one_thread_max_tokens", lambda *args: 8)
+    monkeypatch.setattr(worker, "one_thread_max_tokens", lambda *args: 8)
     with caplog.at_level(logging.INFO, logger="minivllm.worker.worker"):
         llm = LLM(tiny_model_dir("llama"), tensor_parallel_size=tensor_parallel_size,
                   disable_log_stats=True, kv_cache_memory_bytes=1 << 22)
-    runner = llm.llm_engine.worker.model_runner
     switches = tensor_parallel_size == 1
-    assert runner.one_thread_max_tokens == (8 if switches else 0)
+    assert llm.llm_engine.worker.one_thread_max_tokens == (8 if switches else 0)
     said = [r.getMessage() for r in caplog.records if "on one CPU thread" in r.getMessage()]
     assert said == (["steps of at most 8 tokens run on one CPU thread, larger ones on "
                      f"{torch.get_num_threads()} (worker/cpu_threads.py)"] if switches else [])

@@ -353,7 +353,7 @@ def run_single_request(
         weight_bytes(hf),
         max(bandwidths),
         agreement([r.tokens for r in engine_runs], [r.tokens for r in hf_runs]).summary(),
-        llm.llm_engine.worker.model_runner.one_thread_max_tokens,
+        llm.llm_engine.worker.one_thread_max_tokens,
     )
 
 

@@ -24,7 +24,7 @@ laptop or a shared VM running notebooks.
 
 Where two threads start to pay depends on the machine and the model (a
 large model's products are long enough that a wake-up is lost in them), so
-the runner times it once per model at load, on the model's own products
+the worker times it once per model at load, on the model's own products
 (`one_thread_max_tokens`), as the loader times the few-row kernel
 (`few_row_kernel_pays`). Only speed rides on it: the same check first makes
 sure one thread gives every product the bits the full pool gives it (the
@@ -33,9 +33,9 @@ tokens do not depend on whether its step ran on one thread or several.
 Tensor-parallel ranks keep their threads too (`Worker.load_model`): each
 would time its own threshold, and one rank switching alone would hold the
 others up at every all-reduce. A compiled model (`compilation_level` > 0)
-keeps the pool for every step:
-TorchDynamo guards on the thread count, so a switch would compile a second
-graph (about 15 s) and break the promise that one graph serves every step.
+keeps the pool for every step: TorchDynamo guards on the thread count, so a
+switch would compile a second graph (about 15 s) and break the promise that
+one graph serves every step.
 """
 
 from __future__ import annotations

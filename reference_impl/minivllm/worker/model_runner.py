@@ -43,7 +43,6 @@ from minivllm.model_executor.layers.utils import packed_gemm_layers
 from minivllm.model_executor.model_loader import get_model
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sequence import SequenceGroupMetadata
-from minivllm.worker.cpu_threads import one_thread_max_tokens
 from minivllm.worker.cuda_graph_runner import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -240,18 +239,12 @@ class ModelRunner:
         self.model_forward: Any = None
         self.attn_layers: list = []  # the model's Attention layers, numbered
         self.packed_layers: list = []  # its layers with packed CPU weights, numbered
-        # The worker runs steps of at most this many tokens on one CPU
-        # thread (worker/cpu_threads.py); 0: never.
-        self.one_thread_max_tokens = 0
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device, self.attn_backend)
         self.attn_layers = attention_layers(self.model)
         self.packed_layers = packed_gemm_layers(self.model)
         self.model_forward = model_forward(self.model, self.model_config.compilation_level)
-        self.one_thread_max_tokens = one_thread_max_tokens(
-            self.packed_layers, self.device, self.model_config.compilation_level
-        )
 
     def prepare_model_input(
         self,

@@ -37,7 +37,7 @@ from minivllm.model_executor.layers.sampler import SamplerOutput
 from minivllm.sequence import SequenceGroupMetadata
 from minivllm.utils import gib, host_memory_bytes, show
 from minivllm.worker.cache_engine import CacheEngine
-from minivllm.worker.cpu_threads import step_threads
+from minivllm.worker.cpu_threads import one_thread_max_tokens, step_threads
 from minivllm.worker.model_runner import ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class Worker:
             model_config, cache_config, device_config, scheduler_config or SchedulerConfig()
         )
         self.cache_engine: CacheEngine | None = None
+        # Steps of at most this many tokens run on one CPU thread
+        # (worker/cpu_threads.py); 0: never. Set when the model is loaded.
+        self.one_thread_max_tokens = 0
         self.in_group = False  # whether this worker formed (or joins) the process's group
 
     def init_device(self) -> None:
@@ -92,17 +95,20 @@ class Worker:
         ensure_model_parallel_initialized(self.parallel_config.tensor_parallel_size)
 
     def load_model(self) -> None:
-        self.model_runner.load_model()
-        if self.parallel_config.world_size > 1:
-            # Tensor-parallel ranks keep their threads for every step: each
-            # would time a threshold of its own, and a rank on one thread
-            # while the others use more holds them up at every all-reduce.
-            self.model_runner.one_thread_max_tokens = 0
-        if self.model_runner.one_thread_max_tokens:
+        runner = self.model_runner
+        runner.load_model()
+        # Tensor-parallel ranks keep their threads for every step: each would
+        # time a threshold of its own, and a rank on one thread while the
+        # others use more holds them up at every all-reduce.
+        if self.parallel_config.world_size == 1:
+            self.one_thread_max_tokens = one_thread_max_tokens(
+                runner.packed_layers, self.device, self.model_config.compilation_level
+            )
+        if self.one_thread_max_tokens:
             logger.info(
                 "steps of at most %d tokens run on one CPU thread, larger ones on %d "
                 "(worker/cpu_threads.py)",
-                self.model_runner.one_thread_max_tokens,
+                self.one_thread_max_tokens,
                 torch.get_num_threads(),
             )
 
@@ -233,9 +239,8 @@ class Worker:
         self.cache_engine.copy(worker_input["blocks_to_copy"])
         if model_input is None:
             return SamplerOutput([])
-        runner = self.model_runner
-        with step_threads(model_input.input_ids.shape[0], runner.one_thread_max_tokens):
-            output = runner.execute_model(model_input, self.gpu_cache)
+        with step_threads(model_input.input_ids.shape[0], self.one_thread_max_tokens):
+            output = self.model_runner.execute_model(model_input, self.gpu_cache)
         return output if output is not None else SamplerOutput([])
 
     def _unpack(self, received: dict[str, Any]) -> tuple[dict[str, Any], ModelInput | None]:

@@ -46,7 +46,6 @@ from minivllm.v1.outputs import ModelRunnerOutput
 from minivllm.v1.sample.metadata import SamplingMetadata
 from minivllm.v1.sample.sampler import Sampler
 from minivllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
-from minivllm.worker.cpu_threads import one_thread_max_tokens
 
 
 @dataclass
@@ -105,9 +104,6 @@ class GPUModelRunner:
         self.model_forward: Callable | None = None
         self.attn_layers: list = []
         self.packed_layers: list = []
-        # Steps of at most this many tokens run on one CPU thread (the
-        # classic runner's, worker/cpu_threads.py); 0: never.
-        self.one_thread_max_tokens = 0
         self.kv_caches: list[torch.Tensor] = []
         # The last step's model input (None: the model did not run), kept as
         # the classic worker keeps its FlatBatch: references, not copies.
@@ -118,9 +114,6 @@ class GPUModelRunner:
         self.attn_layers = attention_layers(self.model)
         self.packed_layers = packed_gemm_layers(self.model)
         self.model_forward = model_forward(self.model, self.model_config.compilation_level)
-        self.one_thread_max_tokens = one_thread_max_tokens(
-            self.packed_layers, self.device, self.model_config.compilation_level
-        )
 
     def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches

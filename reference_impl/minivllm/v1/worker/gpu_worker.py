@@ -45,5 +45,5 @@ class Worker(ClassicWorker):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        with step_threads(num_tokens, self.model_runner.one_thread_max_tokens):
+        with step_threads(num_tokens, self.one_thread_max_tokens):
             return self.model_runner.execute_model(scheduler_output)
