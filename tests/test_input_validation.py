@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import PreemptionMode
+from minivllm.config import DeviceConfig, PreemptionMode
 from minivllm.engine.arg_utils import EngineArgs
+from minivllm.worker.cache_engine import CacheEngine
+from minivllm.worker.worker import Worker
 
 NAN, INF = float("nan"), float("inf")
 PROBE = {"prompt_token_ids": [5, 6, 7, 8]}
@@ -421,6 +423,25 @@ def test_huge_cpu_kv_cache_space_variable_is_named(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CPU_KVCACHE_SPACE", "1e9")
     with pytest.raises(ValueError, match="MINIVLLM_CPU_KVCACHE_SPACE.*memory"):
         LLM(tiny_model_dir("llama"), attention_backend="torch")
+
+
+def test_gpu_budget_is_the_allowed_share_less_what_is_in_use(tiny_model_dir, monkeypatch):
+    """vLLM v0.6's budget on a GPU: total x gpu_memory_utilization, less all
+    the memory in use. A second engine built while the first still holds its
+    cache finds no room (tools/bench/step_split.py did, on an H200), and the
+    refusal says how much was in use. Only the budget is asked for here, so
+    the card is stood in for: nothing is allocated."""
+    config = EngineArgs(model=tiny_model_dir("llama"), swap_space=0).create_engine_config()
+    worker = Worker(config.model_config, config.cache_config, DeviceConfig("cpu"))
+    worker.device = torch.device("cuda")
+    block_bytes = CacheEngine.get_cache_block_size(16, config.model_config)
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 100 * gib))
+    assert worker.determine_num_available_blocks() == ((90 - 40) * gib // block_bytes, 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * gib, 100 * gib))
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0\.9 of 100 GiB, 95 GiB "
+                                         r"already in use.*holds no block"):
+        worker.determine_num_available_blocks()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])

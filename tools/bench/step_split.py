@@ -42,6 +42,7 @@ from minivllm import LLM, SamplingParams
 from tools.bench.common import add_model_args, make_bench_model, print_table, set_threads
 from tools.bench.profiling import timed_into, wrap_method
 
+BLOCK_SIZE = 16
 PARTS = ("schedule", "prepare_inputs", "model", "sampler", "process", "other")
 
 
@@ -110,9 +111,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as directory:
         model_dir = args.model or make_bench_model(args.model_size, directory)
         rows = []
+        max_model_len = args.prompt_len + args.steps + 16
+        # A cache of exactly what the batch needs: with gpu_memory_utilization
+        # the first engine takes 90 % of the card, and the second, built while
+        # its memory is still held, would find no room (as in vLLM).
+        num_blocks = args.batch * -(-max_model_len // BLOCK_SIZE)
         for eager in (False, True) if on_gpu else (True,):
             llm = LLM(model_dir, device=args.device, dtype=dtype, enforce_eager=eager,
-                      max_model_len=args.prompt_len + args.steps + 16, max_num_seqs=args.batch,
+                      max_model_len=max_model_len, max_num_seqs=args.batch,
+                      block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks,
                       swap_space=0, seed=0)
             for sync in (False, True) if on_gpu else (False,):
                 ms = decode_split(llm, args.batch, args.prompt_len, args.steps, sync)

@@ -128,7 +128,13 @@ class Worker:
             # vLLM v0.6).
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * cfg.gpu_memory_utilization) - (total - free)
-            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+            # In use counts everything on the card: a second engine in the same
+            # process finds the first one's cache there until it is freed.
+            source = (
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {gib(total)} GiB, "
+                f"{gib(total - free)} GiB already in use: the weights, other engines, "
+                "other processes"
+            )
         else:
             budget = default_cpu_kv_cache_bytes()
             source = "the CPU budget ($MINIVLLM_CPU_KVCACHE_SPACE, default 1 GiB)"
