@@ -50,6 +50,7 @@ def test_every_option_is_a_flag_of_its_type():
         "--enforce-eager", "--max-seq-len-to-capture", "512", "--use-v1",
         "--compilation-level", "3", "--long-prefill-token-threshold", "5",
         "--no-scheduler-reserve-full-isl", "--max-logprobs", "50",
+        "--kv-events-config", '{"enable_kv_cache_events": true, "topic": "kv"}',
     ]
     args = EngineArgs.from_cli_args(parser().parse_args(argv))
     given = {a.lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a[:2] == "--"}
@@ -65,6 +66,7 @@ def test_every_option_is_a_flag_of_its_type():
         distributed_executor_backend="ray", enforce_eager=True, max_seq_len_to_capture=512,
         use_v1=True, compilation_level=3, long_prefill_token_threshold=5,
         scheduler_reserve_full_isl=False, max_logprobs=50,
+        kv_events_config={"enable_kv_cache_events": True, "topic": "kv"},
     )
 
 

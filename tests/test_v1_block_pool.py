@@ -23,6 +23,7 @@ from minivllm.v1.core.kv_cache_utils import (
 @dataclass
 class FakeRequest:
     block_hashes: list[bytes] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
 
 
 def _ids(blocks) -> list[int]:
@@ -124,7 +125,7 @@ def test_cached_freed_blocks_go_to_the_tail_and_a_partial_block_to_the_head():
     a_tokens = list(range(14))
     a = FakeRequest(hash_request_tokens(4, a_tokens))
     a_blocks = pool.get_new_blocks(4)
-    pool.cache_full_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=3)
+    pool.cache_full_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=3, block_size=4)
     b = FakeRequest(hash_request_tokens(4, a_tokens[:12] + [90, 91]))
     hits = [pool.get_cached_block(h) for h in b.block_hashes]
     assert hits == a_blocks[:3]
@@ -145,7 +146,7 @@ def test_a_prefix_hit_touches_a_free_cached_block_out_of_the_queue():
     tokens = list(range(8))
     a = FakeRequest(hash_request_tokens(4, tokens))
     blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(a, blocks, num_cached_blocks=0, num_full_blocks=2)
+    pool.cache_full_blocks(a, blocks, num_cached_blocks=0, num_full_blocks=2, block_size=4)
     assert pool.get_cached_block(a.block_hashes[1]) is blocks[1]
     pool.free_blocks(reversed(blocks))  # a finishes; its blocks stay cached
     assert _ids(pool.free_block_queue.get_all_free_blocks()) == [3, 4, 5, 2, 1]
@@ -172,7 +173,7 @@ def test_a_cached_block_handed_out_again_is_evicted_first():
     pool = BlockPool(3)
     a = FakeRequest(hash_request_tokens(2, [7, 8, 9, 10]))
     blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(a, blocks, 0, 2)
+    pool.cache_full_blocks(a, blocks, 0, 2, 2)
     pool.free_blocks(reversed(blocks))  # queue: 2, 1
     (reused,) = pool.get_new_blocks(1)
     assert reused.block_id == 2 and reused.block_hash is None
@@ -186,8 +187,8 @@ def test_two_copies_of_one_block_both_serve_hits_until_each_is_evicted():
     pool = BlockPool(4)
     req = FakeRequest(hash_request_tokens(2, [1, 2]))
     x, y = pool.get_new_blocks(1), pool.get_new_blocks(1)
-    pool.cache_full_blocks(req, x, 0, 1)
-    pool.cache_full_blocks(req, y, 0, 1)
+    pool.cache_full_blocks(req, x, 0, 1, 2)
+    pool.cache_full_blocks(req, y, 0, 1, 2)
     assert set(pool.cached_block_hash_to_block[req.block_hashes[0]]) == {1, 2}
     pool.free_blocks(x + y)
     pool.get_new_blocks(2)  # block 3, then block 1 (evicted)
@@ -198,16 +199,16 @@ def test_blocks_are_cached_once_and_only_while_caching_is_on():
     pool = BlockPool(4)
     req = FakeRequest(hash_request_tokens(2, [1, 2, 3, 4]))
     blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(req, blocks, 0, 1)
-    pool.cache_full_blocks(req, blocks, 1, 2)  # the second filled later
+    pool.cache_full_blocks(req, blocks, 0, 1, 2)
+    pool.cache_full_blocks(req, blocks, 1, 2, 2)  # the second filled later
     assert pool.get_cached_block(req.block_hashes[1]) is blocks[1]
     with pytest.raises(ValueError, match="already has a hash"):
-        pool.cache_full_blocks(req, blocks, 0, 1)
+        pool.cache_full_blocks(req, blocks, 0, 1, 2)
     with pytest.raises(ValueError, match="3 full blocks, but the request has hashes for 2"):
-        pool.cache_full_blocks(req, blocks, 0, 3)
+        pool.cache_full_blocks(req, blocks, 0, 3, 2)
     off = BlockPool(4, enable_caching=False)
     blocks = off.get_new_blocks(2)
-    off.cache_full_blocks(req, blocks, 0, 2)
+    off.cache_full_blocks(req, blocks, 0, 2, 2)
     assert off.get_cached_block(req.block_hashes[0]) is None
 
 
@@ -223,7 +224,7 @@ def test_the_prefix_cache_resets_only_when_no_block_is_in_use():
     pool = BlockPool(4)
     req = FakeRequest(hash_request_tokens(2, [1, 2]))
     blocks = pool.get_new_blocks(1)
-    pool.cache_full_blocks(req, blocks, 0, 1)
+    pool.cache_full_blocks(req, blocks, 0, 1, 2)
     assert not pool.reset_prefix_cache()
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache()
@@ -256,7 +257,7 @@ def test_random_operations_keep_the_pool_consistent(seed):
             pool.touch(hits)
             new = pool.get_new_blocks(-(-len(tokens) // 2) - len(hits))
             blocks = hits + new
-            pool.cache_full_blocks(req, blocks, len(hits), len(req.block_hashes))
+            pool.cache_full_blocks(req, blocks, len(hits), len(req.block_hashes), 2)
             held.append(blocks)
         holders = {}
         for blocks in held:

@@ -474,6 +474,66 @@ class SchedulerConfig:
 
 
 @dataclass
+class KVEventsConfig:
+    """V1's KV-cache events (vLLM's `vllm/config/kv_events.py`): every block
+    the prefix cache gains or loses, published for a router that sends each
+    request where its prefix is cached (`distributed/kv_events.py`).
+
+    `publisher` None becomes "zmq" when events are on, else "null". `endpoint`
+    is bound when it holds `*`, `::`, `ipc://` or `inproc://`, else
+    connected to. `replay_endpoint` (a ROUTER socket) resends the last
+    `buffer_steps` batches from a sequence number; `hwm` is the PUB
+    socket's high-water mark, `max_queue_size` the batches waiting for the
+    publisher's thread; `topic` is the first frame of every message."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        name = "kv_events_config"
+        check_bool(f"{name}.enable_kv_cache_events", self.enable_kv_cache_events)
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        check_choice(f"{name}.publisher", self.publisher, ("null", "zmq"), "'null' or 'zmq'")
+        strings = ["endpoint", "topic"]
+        if self.replay_endpoint is not None:
+            strings.append("replay_endpoint")
+        for field_name in strings:
+            value = getattr(self, field_name)
+            if not isinstance(value, str):
+                raise WrongTypeError(f"{name}.{field_name} must be a string, got {show(value)}")
+        for field_name, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            setattr(self, field_name, check_int(f"{name}.{field_name}",
+                                                getattr(self, field_name), low=low))
+
+    @classmethod
+    def from_option(cls, value: object) -> KVEventsConfig | None:
+        """The `kv_events_config` engine option: None, a KVEventsConfig, or a
+        dict of its fields (what the JSON flag `--kv-events-config` gives)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise WrongTypeError(
+                f"kv_events_config must be a KVEventsConfig, a dict of its fields or None, "
+                f"got {show(value)}"
+            )
+        fields = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - fields, key=str)
+        if unknown:
+            raise ValueError(
+                f"kv_events_config has no field {show(unknown[0])}; its fields are "
+                f"{', '.join(sorted(fields))}"
+            )
+        return cls(**value)
+
+
+@dataclass
 class EngineConfig:
     """All the configs of one engine, passed around together."""
 
@@ -483,6 +543,7 @@ class EngineConfig:
     device_config: DeviceConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     use_v1: bool = False  # which engine runs them (EngineArgs.resolve_use_v1)
+    kv_events_config: KVEventsConfig | None = None  # V1 only
 
     def __str__(self) -> str:
         """The options that shape a run, for the engine's first log line

@@ -8,7 +8,12 @@
 # (default: all five). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
 # $THROUGHPUT_ARGS replaces the throughput run's --repeats 3 (three, so that the median drops
 # HF's first static run, which on an H100 took about ten times its later ones).
-# Wheels in .whl/ are installed first, for a machine that reaches no package index.
+# Wheels in .whl/ are installed first, for a machine that reaches no package index. The lent
+# H200 (2026-11-28) lacked pyzmq and msgspec (V1) and had transformers 5.17; fetch them here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     pyzmq msgspec transformers==5.24.0
+# and carry .whl (echo /.whl/ >> .git/info/exclude).
 set -u
 OUT=${OUT:-/tmp/minivllm-gpu}
 mkdir -p "$OUT"

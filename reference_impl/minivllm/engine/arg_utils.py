@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,14 +19,26 @@ from minivllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
 from minivllm.utils import check_bool, is_int
 
+logger = logging.getLogger(__name__)
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (`--kv-events-config '{...}'`), as vLLM's config flags."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 # The command-line type of each option's annotation (classes come by name).
 _CLI_TYPES = {
+    "KVEventsConfig | dict | None": _json_object,
     "str": str,
     "str | None": str,
     "int": int,
@@ -124,6 +138,12 @@ class EngineArgs:
         SchedulerConfig.scheduler_reserve_full_isl,
         "V1: admit a waiting request only when its whole prompt's KV blocks are free, not "
         "only its first chunk's (the classic engine always does)",
+    )
+    kv_events_config: KVEventsConfig | dict | None = _option(
+        None,
+        "V1: publish the prefix cache's block events over ZMQ, a KVEventsConfig or its "
+        'fields as JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://127.0.0.1:5557"}\' (default: off)',
     )
     preemption_mode: str | None = _option(
         SchedulerConfig.preemption_mode,
@@ -276,6 +296,18 @@ class EngineArgs:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} is an option "
                 "of the V1 scheduler (vLLM v0.6's had none): use use_v1=True, or leave it 0"
             )
+        kv_events_config = KVEventsConfig.from_option(self.kv_events_config)
+        if kv_events_config is not None and kv_events_config.enable_kv_cache_events:
+            if not use_v1:
+                raise ValueError(
+                    "kv_events_config with enable_kv_cache_events=True: KV-cache events are "
+                    "published by the V1 engine (use_v1=True); vLLM v0.6 had none"
+                )
+            if not enable_prefix_caching:
+                logger.warning(
+                    "KV-cache events are on but prefix caching is off: no block is ever "
+                    "cached, so no event is published (enable_prefix_caching=True)"
+                )
         if not use_v1 and self.scheduler_reserve_full_isl is False:
             raise ValueError(
                 "scheduler_reserve_full_isl=False is an option of the V1 scheduler: the classic "
@@ -307,7 +339,13 @@ class EngineArgs:
         model_config.verify_with_parallel_config(parallel_config)
         self._check_compilation(model_config, parallel_config)
         return EngineConfig(
-            model_config, cache_config, scheduler_config, device_config, parallel_config, use_v1
+            model_config,
+            cache_config,
+            scheduler_config,
+            device_config,
+            parallel_config,
+            use_v1,
+            kv_events_config,
         )
 
     def _batch_limits(

@@ -19,6 +19,12 @@ request holds which (that is `KVCacheManager`'s). Its rules:
 - `cache_full_blocks` indexes blocks by the hashes of their tokens once they
   are full.
 
+With `enable_kv_cache_events`, caching a run of blocks queues one
+`BlockStored`, evicting a block one `BlockRemoved`, and emptying the cache
+an `AllBlocksCleared`; the scheduler takes them (`take_events`) and
+publishes them (`distributed/kv_events.py`). A block cached by two requests
+at once is stored twice, and each copy's eviction is its own event.
+
 Block 0 is the null block: taken out of the queue at start, never handed out
 or freed (vLLM uses it for positions a sliding window skips).
 """
@@ -29,6 +35,14 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
+from minivllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_block_hash,
+)
 from minivllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 
@@ -36,10 +50,13 @@ class HasBlockHashes(Protocol):
     """A request, as far as caching its blocks goes: its full blocks' hashes."""
 
     block_hashes: list[BlockHash]
+    all_token_ids: list[int]
 
 
 class BlockPool:
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False
+    ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError(
                 f"num_gpu_blocks must be at least 2 (one is the null block), got {num_gpu_blocks}"
@@ -53,6 +70,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """A block holding exactly these tokens after exactly this prefix."""
@@ -65,6 +84,7 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        block_size: int,
     ) -> None:
         """Index `blocks[num_cached_blocks:num_full_blocks]`, the request's
         blocks that have filled since it last cached, by their hashes."""
@@ -73,12 +93,26 @@ class BlockPool:
                 f"{num_full_blocks} full blocks, but the request has hashes for "
                 f"{len(request.block_hashes)}"
             )
-        if not self.enable_caching:
+        if not self.enable_caching or num_cached_blocks == num_full_blocks:
             return
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             block.block_hash = request.block_hashes[i]  # refuses a block hashed twice
             self.cached_block_hash_to_block.setdefault(block.block_hash, {})[block.block_id] = block
+        if self.enable_kv_cache_events:
+            parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+            self.kv_event_queue.append(BlockStored(
+                block_hashes=[external_block_hash(h)
+                              for h in request.block_hashes[num_cached_blocks:num_full_blocks]],
+                parent_block_hash=None if parent is None else external_block_hash(parent),
+                token_ids=request.all_token_ids[
+                    num_cached_blocks * block_size : num_full_blocks * block_size
+                ],
+                block_size=block_size,
+                lora_id=None,
+                medium=MEDIUM_GPU,
+                lora_name=None,
+            ))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """`num_blocks` blocks for new content, each with one reference."""
@@ -99,6 +133,10 @@ class BlockPool:
         if not cached:
             del self.cached_block_hash_to_block[block_hash]
         block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(block_hashes=[external_block_hash(block_hash)], medium=MEDIUM_GPU)
+            )
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -132,7 +170,14 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events queued since the last call, oldest first."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

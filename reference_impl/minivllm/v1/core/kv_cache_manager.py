@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from minivllm.distributed.kv_events import KVCacheEvent
 from minivllm.utils import cdiv
 from minivllm.v1.core.block_pool import BlockPool
 from minivllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -55,11 +56,12 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, enable_kv_cache_events)
         # request id -> its blocks, in position order
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
         # request id -> how many of its blocks are cached (have their hash)
@@ -181,7 +183,11 @@ class KVCacheManager:
         if num_cached >= num_full_blocks:
             return
         self.block_pool.cache_full_blocks(
-            request, self.req_to_blocks[request.request_id], num_cached, num_full_blocks
+            request,
+            self.req_to_blocks[request.request_id],
+            num_cached,
+            num_full_blocks,
+            self.block_size,
         )
         self.num_cached_block[request.request_id] = num_full_blocks
 
@@ -223,3 +229,7 @@ class KVCacheManager:
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The block pool's KV-cache events since the last call."""
+        return self.block_pool.take_events()

@@ -67,7 +67,9 @@ class EngineCore:
         self.model_executor = UniProcExecutor(engine_config)
         self._initialize_kv_caches()
         self.scheduler = get_scheduler_cls(engine_config.scheduler_config)(
-            engine_config.scheduler_config, engine_config.cache_config
+            engine_config.scheduler_config,
+            engine_config.cache_config,
+            kv_events_config=engine_config.kv_events_config,
         )
         cache_config = engine_config.cache_config
         self.block_hasher = (
@@ -142,6 +144,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+        self.scheduler.shutdown()
 
 
 # -- the engine core in a process of its own ---------------------------------

@@ -27,15 +27,19 @@ it wait for a step with room). After scheduling, every scheduled request's
 `update_from_output` takes the worker's sampled tokens back: it appends
 them, checks the stop conditions it can see in token ids (EOS, stop token
 ids, lengths; stop strings are the front end's) and frees finished requests.
+Last, it publishes the KV-cache events of the step (blocks cached and
+evicted while scheduling it; `distributed/kv_events.py`), as vLLM's does.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Iterable
 
-from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.config import CacheConfig, KVEventsConfig, SchedulerConfig
+from minivllm.distributed.kv_events import KVEventBatch, create_event_publisher
 from minivllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minivllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
@@ -47,7 +51,12 @@ from minivllm.v1.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_events_config: KVEventsConfig | None = None,
+    ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
@@ -72,7 +81,13 @@ class Scheduler:
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             log_stats=True,
+            enable_kv_cache_events=bool(
+                kv_events_config and kv_events_config.enable_kv_cache_events
+            ),
         )
+        self.kv_event_publisher = create_event_publisher(kv_events_config)
+        # An engine dropped without shutdown() still closes its socket.
+        weakref.finalize(self, self.kv_event_publisher.shutdown)
 
     # -- requests ---------------------------------------------------------
 
@@ -370,6 +385,9 @@ class Scheduler:
                 )
         if stopped_running_reqs:
             self.running = [r for r in self.running if r not in stopped_running_reqs]
+        events = self.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(scheduler_output))
 
     def _update_request_with_output(
@@ -395,3 +413,7 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
         )
+
+    def shutdown(self) -> None:
+        """Close the KV-event publisher (its socket and thread)."""
+        self.kv_event_publisher.shutdown()
