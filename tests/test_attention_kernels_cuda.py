@@ -167,12 +167,15 @@ def test_copy_blocks_is_exact(device, dtype):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefills", "chunked-prefill"])
-def test_engine_cuda_backend_matches_torch_backend(device, chunked, tmp_path):
+def test_engine_cuda_backend_matches_torch_backend(device, chunked, use_v1, tmp_path):
     """float32, so the two backends differ only by summation order: greedy and
-    seeded sampling (n=2, which exercises copy_blocks) give the same tokens.
-    Chunked prefill mixes decodes with a longer prefill in one step, whose
-    length must not size the decode kernels' launch."""
+    seeded sampling (n=2, which exercises copy_blocks in the classic engine)
+    give the same tokens. Chunked prefill mixes decodes with a longer prefill
+    in one step, whose length must not size the decode kernels' launch. V1
+    runs the same backends through its own runner (never yet on a GPU before
+    this case was added: the emulated run is the only one so far)."""
     # head_size 64 (a kernel size), GQA 4:2, random weights with clear greedy winners.
     model = make_tiny_model(
         "llama", str(tmp_path / "m"), hidden_size=256, num_attention_heads=4,
@@ -188,7 +191,7 @@ def test_engine_cuda_backend_matches_torch_backend(device, chunked, tmp_path):
         llm = LLM(
             model, device=device, dtype="float32", attention_backend=backend, block_size=16,
             enable_chunked_prefill=chunked, max_num_batched_tokens=32 if chunked else None,
-            max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
+            max_num_seqs=8, kv_cache_memory_bytes=64 << 20, use_v1=use_v1,
         )
         outs = llm.generate(prompts + prompts[1:2], [greedy] * 3 + [pair], use_tqdm=False)
         results[backend] = [[c.token_ids for c in o.outputs] for o in outs]
