@@ -252,18 +252,20 @@ def test_sequence_numbers_count_up_and_the_replay_socket_resends_from_one(events
     first = messages[0][0]  # after connect()'s probes
     assert [seq for seq, _ in messages] == list(range(first, first + len(messages)))
     assert len(messages) >= 2
-    replay = zmq.Context.instance().socket(zmq.REQ)
+    # One request, many replies: a DEALER, which (unlike REQ) may receive
+    # them all; it writes the empty frame a REQ would add.
+    replay = zmq.Context.instance().socket(zmq.DEALER)
     replay.setsockopt(zmq.LINGER, 0)
     replay.connect(f"ipc://{tmp_path}/replay")
-    replay.send((first + 1).to_bytes(8, "big"))
+    replay.send_multipart((b"", (first + 1).to_bytes(8, "big")))
     resent = []
     while True:
         assert replay.poll(5000)
-        seq, payload = replay.recv_multipart()
+        empty, seq, payload = replay.recv_multipart()
+        assert empty == b""
         if seq == (-1).to_bytes(8, "big", signed=True):
             break
         resent.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
-        replay.send(b"")  # a REQ socket alternates; the ROUTER ignores this frame's content
     replay.close()
     assert resent == messages[1:]
 

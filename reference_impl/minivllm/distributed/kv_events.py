@@ -105,7 +105,9 @@ class ZmqEventPublisher(EventPublisher):
     A replay request is three frames: the client's identity (the ROUTER
     adds it), an empty frame and the first sequence number wanted (8 bytes,
     big-endian). The answer is `(identity, b"", seq, payload)` for each
-    buffered batch from there on, then `(identity, b"", END_SEQ, b"")`.
+    buffered batch from there on, then `(identity, b"", END_SEQ, b"")`. A
+    DEALER client sends `(b"", seq)` and receives every answer as
+    `(b"", seq, payload)` (a REQ socket would take only the first).
     """
 
     SHUTDOWN_TIMEOUT = 1.0  # seconds to wait for the queue to drain
