@@ -426,11 +426,12 @@ def test_huge_cpu_kv_cache_space_variable_is_named(tiny_model_dir, monkeypatch):
 
 
 def test_gpu_budget_is_the_allowed_share_less_what_is_in_use(tiny_model_dir, monkeypatch):
-    """vLLM v0.6's budget on a GPU: total x gpu_memory_utilization, less all
-    the memory in use. A second engine built while the first still holds its
-    cache finds no room (tools/bench/step_split.py did, on an H200), and the
-    refusal says how much was in use. Only the budget is asked for here, so
-    the card is stood in for: nothing is allocated."""
+    """The budget on a GPU: total x gpu_memory_utilization, less all the
+    memory in use (vLLM v0.6 subtracts only its own worker's: row 90). Memory
+    that another engine still holds leaves no room (tools/bench/step_split.py
+    met it on an H200), and the refusal says how much was in use. Only the
+    budget is asked for here, so the card is stood in for: nothing is
+    allocated."""
     config = EngineArgs(model=tiny_model_dir("llama"), swap_space=0).create_engine_config()
     worker = Worker(config.model_config, config.cache_config, DeviceConfig("cpu"))
     worker.device = torch.device("cuda")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from minivllm.distributed.kv_events import (
     KVEventBatch,
     NullEventPublisher,
     ZmqEventPublisher,
+    binds,
     create_event_publisher,
 )
 from minivllm.engine.arg_utils import EngineArgs
@@ -47,10 +49,16 @@ def as_int(block_hash: bytes) -> int:
 
 
 def stored(hashes, parent, tokens, block_size) -> dict:
-    return {"type": "BlockStored", "block_hashes": [as_int(h) for h in hashes],
-            "parent_block_hash": None if parent is None else as_int(parent),
-            "token_ids": tokens, "block_size": block_size, "lora_id": None, "medium": "GPU",
-            "lora_name": None}
+    return {
+        "type": "BlockStored",
+        "block_hashes": [as_int(h) for h in hashes],
+        "parent_block_hash": None if parent is None else as_int(parent),
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
 
 
 def plain(events) -> list[dict]:
@@ -132,7 +140,7 @@ def receive_all(sub: zmq.Socket, timeout_ms: int = 2000) -> list[tuple[int, dict
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"kv"
         messages.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
-        timeout_ms = 500
+        timeout_ms = 1000  # then quiet for a second: every batch has come
     return messages
 
 
@@ -141,10 +149,19 @@ def events_llm(tiny_model_dir, tmp_path):
     """V1 with events on, publishing on an ipc endpoint (bound: it starts
     with ipc://), and a pool of 11 usable blocks of 4 tokens."""
     endpoint = f"ipc://{tmp_path}/kv-events"
-    llm = LLM(tiny_model_dir("llama"), use_v1=True, block_size=4, num_gpu_blocks_override=12,
-              max_model_len=40, kv_events_config={"enable_kv_cache_events": True,
-                                                 "endpoint": endpoint, "topic": "kv",
-                                                 "replay_endpoint": f"ipc://{tmp_path}/replay"})
+    llm = LLM(
+        tiny_model_dir("llama"),
+        use_v1=True,
+        block_size=4,
+        num_gpu_blocks_override=12,
+        max_model_len=40,
+        kv_events_config={
+            "enable_kv_cache_events": True,
+            "endpoint": endpoint,
+            "topic": "kv",
+            "replay_endpoint": f"ipc://{tmp_path}/replay",
+        },
+    )
     sub = subscriber(endpoint)
     connect(llm, sub)
     yield llm, sub, tmp_path
@@ -191,8 +208,12 @@ def test_a_router_replaying_the_events_knows_the_engines_cache(events_llm):
     stored_events = [e for b in batches for e in b["events"] if e["type"] == "BlockStored"]
     for tokens in by_request:
         hashes = hash_request_tokens(4, tokens)
-        mine = [e for e in stored_events if as_int(hashes[-1]) in e["block_hashes"]
-                or set(e["block_hashes"]) & {as_int(h) for h in hashes[2:]}]
+        mine = [
+            e
+            for e in stored_events
+            if as_int(hashes[-1]) in e["block_hashes"]
+            or set(e["block_hashes"]) & {as_int(h) for h in hashes[2:]}
+        ]
         assert mine, "each request stored its own blocks past the shared prefix"
         for event in mine:
             first = [as_int(h) for h in hashes].index(event["block_hashes"][0])
@@ -203,8 +224,9 @@ def test_a_router_replaying_the_events_knows_the_engines_cache(events_llm):
     prefix = {as_int(h) for h in hash_request_tokens(4, shared)}
     assert sum(len(prefix & set(e["block_hashes"])) for e in stored_events) == 2
 
-    llm.generate([{"prompt_token_ids": [50 + 10 * i + j for j in range(10)]} for i in range(4)],
-                 greedy)
+    llm.generate(
+        [{"prompt_token_ids": [50 + 10 * i + j for j in range(10)]} for i in range(4)], greedy
+    )
     batches += [b for _, b in receive_all(sub)]
     assert any(e["type"] == "BlockRemoved" for b in batches for e in b["events"])
     assert replay_router_view(batches) == engine_cached_hashes(llm)
@@ -224,9 +246,15 @@ def test_after_every_step_the_events_describe_the_cache(tiny_model_dir, seed):
     blocks are evicted all the time), a reset now and then: after every
     step, a router's view from the published batches is the engine's cache."""
     rng = random.Random(seed)
-    llm = LLM(tiny_model_dir("llama"), use_v1=True, block_size=2, num_gpu_blocks_override=16,
-              max_model_len=24, max_num_seqs=4,
-              kv_events_config={"enable_kv_cache_events": True, "publisher": "null"})
+    llm = LLM(
+        tiny_model_dir("llama"),
+        use_v1=True,
+        block_size=2,
+        num_gpu_blocks_override=16,
+        max_model_len=24,
+        max_num_seqs=4,
+        kv_events_config={"enable_kv_cache_events": True, "publisher": "null"},
+    )
     engine = llm.llm_engine
     published: list[KVEventBatch] = []
     scheduler = engine.engine_core.engine_core.scheduler
@@ -234,8 +262,11 @@ def test_after_every_step_the_events_describe_the_cache(tiny_model_dir, seed):
     for i in range(60):
         if rng.random() < 0.5:
             prompt = [rng.randrange(3, 6) for _ in range(rng.randint(1, 12))]
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
-                               SamplingParams(max_tokens=rng.randint(1, 8), seed=i))
+            engine.add_request(
+                f"r{i}",
+                {"prompt_token_ids": prompt},
+                SamplingParams(max_tokens=rng.randint(1, 8), seed=i),
+            )
         if rng.random() < 0.05 and not engine.has_unfinished_requests():
             assert engine.reset_prefix_cache()
         engine.step()
@@ -275,16 +306,21 @@ def test_the_engine_core_process_publishes_too(tiny_model_dir, tmp_path, monkeyp
     so the publisher, live there."""
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "1")
     endpoint = f"ipc://{tmp_path}/kv-events-mp"
-    llm = LLM(tiny_model_dir("llama"), use_v1=True, block_size=4, max_model_len=40,
-              num_gpu_blocks_override=12,
-              kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint,
-                                "topic": "kv"})
+    llm = LLM(
+        tiny_model_dir("llama"),
+        use_v1=True,
+        block_size=4,
+        max_model_len=40,
+        num_gpu_blocks_override=12,
+        kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv"},
+    )
     sub = subscriber(endpoint)
     try:
         connect(llm, sub)
         prompt = list(range(5, 15))
-        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0,
-                                                                        max_tokens=3))
+        out = llm.generate(
+            {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3)
+        )
         tokens = prompt + list(out[0].outputs[0].token_ids)
         batches = [b for _, b in receive_all(sub)]
     finally:
@@ -300,46 +336,96 @@ def test_the_engine_core_process_publishes_too(tiny_model_dir, tmp_path, monkeyp
 def test_the_config_follows_vllms_defaults_and_names_bad_fields():
     assert KVEventsConfig().publisher == "null"
     assert KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"
-    assert KVEventsConfig.from_option({"enable_kv_cache_events": True, "hwm": 0}).hwm == 0
+    # 0 as in vLLM: no replay buffer, an unbounded queue, no high-water mark.
+    zeros = KVEventsConfig.from_option({"buffer_steps": 0, "max_queue_size": 0, "hwm": 0})
+    assert (zeros.buffer_steps, zeros.max_queue_size, zeros.hwm) == (0, 0, 0)
     for value, words in [
         ({"publisher": "kafka"}, "kv_events_config.publisher must be 'null' or 'zmq', got 'kafka'"),
         ({"enable_kv_cache_events": "yes"}, "kv_events_config.enable_kv_cache_events"),
-        ({"buffer_steps": 0}, "kv_events_config.buffer_steps must be an integer >= 1, got 0"),
-        ({"endpoint": 5557}, "kv_events_config.endpoint must be a string, got 5557"),
+        ({"buffer_steps": -1}, "kv_events_config.buffer_steps must be an integer in [0, "),
+        ({"hwm": 2**31}, "kv_events_config.hwm must be an integer in [0, 2147483647], got"),
+        ({"endpoint": 5557}, "kv_events_config.endpoint must be a ZMQ address"),
+        ({"endpoint": "localhost"}, "kv_events_config.endpoint must be a ZMQ address"),
+        ({"endpoint": "tcp://*:99999"}, "endpoint must have a port from 1 to 65535 or '*'"),
+        (
+            {"endpoint": "ipc:///x", "replay_endpoint": "ipc:///x"},
+            "replay_endpoint must differ from endpoint, got 'ipc:///x' for both",
+        ),
+        ({"topic": "\ud800"}, "kv_events_config.topic must be printable text"),
         ({"endpiont": "x"}, "kv_events_config has no field 'endpiont'"),
         ("on", "kv_events_config must be a KVEventsConfig, a dict of its fields or None"),
     ]:
-        with pytest.raises(ValueError, match=words.replace(".", r"\.").replace("(", r"\(")):
+        with pytest.raises(ValueError, match=re.escape(words)):
             KVEventsConfig.from_option(value)
 
 
-def test_the_flag_takes_json_and_the_classic_engine_refuses_events(tiny_model_dir):
+def test_the_endpoint_is_bound_or_connected_by_vllms_rule():
+    assert all(binds(e) for e in ("tcp://*:5557", "tcp://[::]:5557", "ipc:///tmp/x", "inproc://x"))
+    assert not any(binds(e) for e in ("tcp://127.0.0.1:5557", "tcp://collector:5557"))
+
+
+def test_an_endpoint_that_cannot_be_opened_is_named(tmp_path):
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/no/such/dir")
+    with pytest.raises(ValueError, match=r"kv_events_config\.endpoint='ipc://.*' cannot be opened"):
+        ZmqEventPublisher(config)
+
+
+def test_an_inproc_subscriber_in_the_same_process_receives(tmp_path):
+    """The publisher uses the process's shared ZMQ context, as vLLM's, so
+    an inproc:// address reaches it from this process."""
+    endpoint = f"inproc://kv-events-{tmp_path.name}"
+    publisher = ZmqEventPublisher(
+        KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, topic="kv")
+    )
+    sub = subscriber(endpoint)
+    try:
+        assert wait_connected(publisher, sub)
+    finally:
+        publisher.shutdown()
+        sub.close()
+
+
+def test_the_flag_takes_json_and_the_classic_engine_refuses_events(tiny_model_dir, capsys):
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--kv-events-config", '{"enable_kv_cache_events": true}'])
     assert args.kv_events_config == {"enable_kv_cache_events": True}
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--kv-events-config", "[1]"])
+    for bad, says in (("[1]", "expected a JSON object"), ("{bad", "not JSON (Expecting")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kv-events-config", bad])
+        assert says in capsys.readouterr().err
     with pytest.raises(ValueError, match="kv_events_config.*use_v1=True"):
-        EngineArgs(model=tiny_model_dir("llama"), use_v1=False,
-                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True)
-                   ).create_engine_config()
+        EngineArgs(
+            model=tiny_model_dir("llama"),
+            use_v1=False,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
+        ).create_engine_config()
     # Off, the option is accepted by both engines, and nothing is published.
-    config = EngineArgs(model=tiny_model_dir("llama"), use_v1=False,
-                        kv_events_config={"endpoint": "tcp://*:1"}).create_engine_config()
+    config = EngineArgs(
+        model=tiny_model_dir("llama"), use_v1=False, kv_events_config={"endpoint": "tcp://*:1"}
+    ).create_engine_config()
     assert isinstance(create_event_publisher(config.kv_events_config), NullEventPublisher)
 
 
 def test_events_without_prefix_caching_warn_and_publish_nothing(tiny_model_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="minivllm.engine.arg_utils"):
-        config = EngineArgs(model=tiny_model_dir("llama"), use_v1=True,
-                            enable_prefix_caching=False,
-                            kv_events_config={"enable_kv_cache_events": True,
-                                              "publisher": "null"}).create_engine_config()
+        llm = LLM(
+            tiny_model_dir("llama"),
+            use_v1=True,
+            enable_prefix_caching=False,
+            block_size=4,
+            max_model_len=40,
+            kv_events_config={"enable_kv_cache_events": True, "publisher": "null"},
+        )
     assert "prefix caching is off" in caplog.text
-    assert config.kv_events_config.enable_kv_cache_events
+    published: list[KVEventBatch] = []
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler.kv_event_publisher.publish = published.append
+    llm.generate({"prompt_token_ids": list(range(5, 15))}, SamplingParams(max_tokens=6))
+    assert published == []
+    llm.llm_engine.shutdown()
 
 
-def test_shutdown_sends_what_is_queued_and_frees_the_endpoint(tmp_path):
+def test_shutdown_sends_what_is_queued_and_closes_the_sockets(tmp_path):
     endpoint = f"ipc://{tmp_path}/pub"
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, topic="kv")
     publisher = ZmqEventPublisher(config)
@@ -351,7 +437,8 @@ def test_shutdown_sends_what_is_queued_and_frees_the_endpoint(tmp_path):
     assert [b["ts"] for _, b in receive_all(sub)] == [0.0, 1.0, 2.0]
     with pytest.raises(RuntimeError, match="shut down"):
         publisher.publish(KVEventBatch(ts=0.0, events=[]))
-    ZmqEventPublisher(config).shutdown()  # the endpoint can be bound again
+    # The thread has ended and closed its sockets (it alone uses them).
+    assert not publisher._thread.is_alive() and publisher._pub.closed
     sub.close()
 
 

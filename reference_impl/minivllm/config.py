@@ -473,6 +473,20 @@ class SchedulerConfig:
             self.preemption_mode = PreemptionMode(mode)
 
 
+def _check_endpoint(name: str, endpoint: object) -> None:
+    """A ZMQ address: a string, and for tcp:// a port that is `*` or 1-65535
+    (ZMQ would wrap a larger one silently)."""
+    allowed = "a ZMQ address such as 'tcp://*:5557' or 'ipc:///tmp/kv-events'"
+    if not isinstance(endpoint, str):
+        raise WrongTypeError(f"{name} must be {allowed}, got {show(endpoint)}")
+    if "://" not in endpoint:
+        raise ValueError(f"{name} must be {allowed}, got {endpoint!r}")
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rpartition(":")[2]
+        if port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"{name} must have a port from 1 to 65535 or '*', got {endpoint!r}")
+
+
 @dataclass
 class KVEventsConfig:
     """V1's KV-cache events (vLLM's `vllm/config/kv_events.py`): every block
@@ -501,16 +515,25 @@ class KVEventsConfig:
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         check_choice(f"{name}.publisher", self.publisher, ("null", "zmq"), "'null' or 'zmq'")
-        strings = ["endpoint", "topic"]
+        _check_endpoint(f"{name}.endpoint", self.endpoint)
         if self.replay_endpoint is not None:
-            strings.append("replay_endpoint")
-        for field_name in strings:
-            value = getattr(self, field_name)
-            if not isinstance(value, str):
-                raise WrongTypeError(f"{name}.{field_name} must be a string, got {show(value)}")
-        for field_name, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
-            setattr(self, field_name, check_int(f"{name}.{field_name}",
-                                                getattr(self, field_name), low=low))
+            _check_endpoint(f"{name}.replay_endpoint", self.replay_endpoint)
+            if self.replay_endpoint == self.endpoint:
+                raise ValueError(
+                    f"{name}.replay_endpoint must differ from endpoint, got "
+                    f"{self.replay_endpoint!r} for both"
+                )
+        if not isinstance(self.topic, str):
+            raise WrongTypeError(f"{name}.topic must be printable text, got {show(self.topic)}")
+        if not self.topic.isprintable():
+            raise ValueError(f"{name}.topic must be printable text, got {show(self.topic)}")
+        # 0 as in vLLM: no replay buffer, an unbounded queue, no mark. The
+        # highs are what deque, Queue and ZMQ's int option take.
+        self.buffer_steps = check_int(f"{name}.buffer_steps", self.buffer_steps,
+                                      low=0, high=sys.maxsize)
+        self.max_queue_size = check_int(f"{name}.max_queue_size", self.max_queue_size,
+                                        low=0, high=sys.maxsize)
+        self.hwm = check_int(f"{name}.hwm", self.hwm, low=0, high=2**31 - 1)
 
     @classmethod
     def from_option(cls, value: object) -> KVEventsConfig | None:

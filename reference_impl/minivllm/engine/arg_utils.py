@@ -28,11 +28,16 @@ from minivllm.utils import check_bool, is_int
 
 logger = logging.getLogger(__name__)
 
+
 def _json_object(text: str) -> dict:
-    """A flag's JSON object (`--kv-events-config '{...}'`), as vLLM's config flags."""
-    value = json.loads(text)
+    """A flag's JSON object (`--kv-events-config '{...}'`), as vLLM's config
+    flags. argparse shows an ArgumentTypeError's own message."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
     return value
 
 
@@ -296,18 +301,7 @@ class EngineArgs:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} is an option "
                 "of the V1 scheduler (vLLM v0.6's had none): use use_v1=True, or leave it 0"
             )
-        kv_events_config = KVEventsConfig.from_option(self.kv_events_config)
-        if kv_events_config is not None and kv_events_config.enable_kv_cache_events:
-            if not use_v1:
-                raise ValueError(
-                    "kv_events_config with enable_kv_cache_events=True: KV-cache events are "
-                    "published by the V1 engine (use_v1=True); vLLM v0.6 had none"
-                )
-            if not enable_prefix_caching:
-                logger.warning(
-                    "KV-cache events are on but prefix caching is off: no block is ever "
-                    "cached, so no event is published (enable_prefix_caching=True)"
-                )
+        kv_events_config = self._check_kv_events(use_v1, enable_prefix_caching)
         if not use_v1 and self.scheduler_reserve_full_isl is False:
             raise ValueError(
                 "scheduler_reserve_full_isl=False is an option of the V1 scheduler: the classic "
@@ -372,6 +366,24 @@ class EngineArgs:
             if is_int(budget):
                 max_num_seqs = min(max_num_seqs, budget)
         return max_num_seqs, budget
+
+    def _check_kv_events(self, use_v1: bool, enable_prefix_caching: bool) -> KVEventsConfig | None:
+        """The events' config; events that are on need V1, and are empty
+        without prefix caching (vLLM warns so too)."""
+        config = KVEventsConfig.from_option(self.kv_events_config)
+        if config is None or not config.enable_kv_cache_events:
+            return config
+        if not use_v1:
+            raise ValueError(
+                "kv_events_config with enable_kv_cache_events=True: KV-cache events are "
+                "published by the V1 engine (use_v1=True); vLLM v0.6 had none"
+            )
+        if not enable_prefix_caching:
+            logger.warning(
+                "KV-cache events are on but prefix caching is off: no block is ever "
+                "cached, so no event is published (enable_prefix_caching=True)"
+            )
+        return config
 
     @staticmethod
     def _check_compilation(model_config: ModelConfig, parallel_config: ParallelConfig) -> None:

@@ -13,6 +13,7 @@ their cache, and run their shard. Only the driver samples.
 
 from __future__ import annotations
 
+import gc
 import logging
 from fractions import Fraction
 from typing import Any
@@ -122,14 +123,17 @@ class Worker:
             budget = cfg.kv_cache_memory_bytes
             source = f"kv_cache_memory_bytes={show(budget)}"
         elif self.device.type == "cuda":
-            # What is left of the allowed fraction after the weights; the
-            # activations of one step are small next to the cache here. The
-            # CUDA graphs' memory pool comes later, outside this budget (as in
-            # vLLM v0.6).
+            # What is left of the allowed fraction after everything already
+            # on the card (vLLM v0.6 subtracts only its own worker's use:
+            # vllm_differences row 90); the activations of one step are small
+            # next to the cache here. The CUDA graphs' memory pool comes
+            # later, outside this budget (as in vLLM v0.6). An engine deleted
+            # before this one may still hold memory through reference cycles
+            # and torch's caching allocator: release it first.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * cfg.gpu_memory_utilization) - (total - free)
-            # In use counts everything on the card: a second engine in the same
-            # process finds the first one's cache there until it is freed.
             source = (
                 f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {gib(total)} GiB, "
                 f"{gib(total - free)} GiB already in use: the weights, other engines, "

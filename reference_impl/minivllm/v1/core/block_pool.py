@@ -47,10 +47,30 @@ from minivllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KV
 
 
 class HasBlockHashes(Protocol):
-    """A request, as far as caching its blocks goes: its full blocks' hashes."""
+    """A request, as far as caching its blocks goes: its full blocks' hashes,
+    and its tokens (for the `BlockStored` event)."""
 
     block_hashes: list[BlockHash]
     all_token_ids: list[int]
+
+
+def _stored_event(
+    request: HasBlockHashes, num_cached_blocks: int, num_full_blocks: int, block_size: int
+) -> BlockStored:
+    """The event for the request's blocks `num_cached_blocks:num_full_blocks`,
+    chained to the block before them (None: they start the request)."""
+    hashes = request.block_hashes
+    parent = hashes[num_cached_blocks - 1] if num_cached_blocks else None
+    first_token, end_token = num_cached_blocks * block_size, num_full_blocks * block_size
+    return BlockStored(
+        block_hashes=[external_block_hash(h) for h in hashes[num_cached_blocks:num_full_blocks]],
+        parent_block_hash=None if parent is None else external_block_hash(parent),
+        token_ids=request.all_token_ids[first_token:end_token],
+        block_size=block_size,
+        lora_id=None,
+        medium=MEDIUM_GPU,
+        lora_name=None,
+    )
 
 
 class BlockPool:
@@ -93,26 +113,16 @@ class BlockPool:
                 f"{num_full_blocks} full blocks, but the request has hashes for "
                 f"{len(request.block_hashes)}"
             )
-        if not self.enable_caching or num_cached_blocks == num_full_blocks:
+        if not self.enable_caching or num_cached_blocks >= num_full_blocks:
             return
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             block.block_hash = request.block_hashes[i]  # refuses a block hashed twice
             self.cached_block_hash_to_block.setdefault(block.block_hash, {})[block.block_id] = block
         if self.enable_kv_cache_events:
-            parent = request.block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
-            self.kv_event_queue.append(BlockStored(
-                block_hashes=[external_block_hash(h)
-                              for h in request.block_hashes[num_cached_blocks:num_full_blocks]],
-                parent_block_hash=None if parent is None else external_block_hash(parent),
-                token_ids=request.all_token_ids[
-                    num_cached_blocks * block_size : num_full_blocks * block_size
-                ],
-                block_size=block_size,
-                lora_id=None,
-                medium=MEDIUM_GPU,
-                lora_name=None,
-            ))
+            self.kv_event_queue.append(
+                _stored_event(request, num_cached_blocks, num_full_blocks, block_size)
+            )
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """`num_blocks` blocks for new content, each with one reference."""

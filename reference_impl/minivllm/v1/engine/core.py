@@ -66,10 +66,13 @@ class EngineCore:
         self.engine_config = engine_config
         self.model_executor = UniProcExecutor(engine_config)
         self._initialize_kv_caches()
+        # kv_events_config only when given, so that a scheduler_cls whose
+        # __init__ takes the two configs alone (a lab's) still works.
+        events = engine_config.kv_events_config
         self.scheduler = get_scheduler_cls(engine_config.scheduler_config)(
             engine_config.scheduler_config,
             engine_config.cache_config,
-            kv_events_config=engine_config.kv_events_config,
+            **({} if events is None else {"kv_events_config": events}),
         )
         cache_config = engine_config.cache_config
         self.block_hasher = (
