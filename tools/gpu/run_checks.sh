@@ -5,7 +5,8 @@
 #   split       where a batch-64 decode step's time goes (graphs and eager, the sampler synced or not)
 #   latency     one request, engine (CUDA graphs, then eager) against HF generate
 #   throughput  the benchmark workload in float16 against HF generate_batch and static
-# (default: all five). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
+#   v1          the same workload on V1 (eager: V1 captures no CUDA graphs), HF at batch 64 only
+# (default: the first five; V1 has not run on a GPU yet, so add v1 when time allows). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
 # $THROUGHPUT_ARGS replaces the throughput run's --repeats 3 (three, so that the median drops
 # HF's first static run, which on an H100 took about ten times its later ones).
 # Wheels in .whl/ are installed first, for a machine that reaches no package index. The lent
@@ -53,6 +54,11 @@ for name in "${@:-kernels tests split latency throughput}"; do for s in $name; d
         section throughput
         timeout 400 python3 -m tools.bench.throughput --device cuda --dtype float16 \
             ${THROUGHPUT_ARGS:---repeats 3} --no-plot --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | tail -45 ;;
+    v1)
+        section v1
+        timeout 300 python3 -m tools.bench.throughput --device cuda --dtype float16 --v1 \
+            --repeats 2 --hf-cb-batch-sizes 64 --no-plot --json "$OUT/throughput_v1.json" \
+            2>&1 | tee "$OUT/throughput_v1.log" | tail -30 ;;
     *) echo "unknown section $s"; exit 2 ;;
     esac
 done; done
