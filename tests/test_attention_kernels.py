@@ -167,6 +167,10 @@ def test_teaching_kernel_in_cuda_simulator():
     assert result.stdout.count("ok") == 3
 
 
+SOURCES = ["paged_attention.cu", "cache_kernels.cu", "layernorm_kernels.cu",
+           "pos_encoding_kernels.cu"]
+
+
 def kernel_names(source: str) -> list[str]:
     """Every kernel instantiation of `source` the loader can request, once each
     (the reduce kernel does not depend on the block size)."""
@@ -176,8 +180,12 @@ def kernel_names(source: str) -> list[str]:
             for head_size in ops.SUPPORTED_HEAD_SIZES:
                 for block_size in ops.SUPPORTED_BLOCK_SIZES:
                     names += ops.paged_attention_kernel_names(dtype, head_size, block_size)
-        else:
+        elif source == "cache_kernels.cu":
             names += ops.cache_kernel_names(dtype)
+        elif source == "layernorm_kernels.cu":
+            names += ops.layernorm_kernel_names(dtype)
+        else:
+            names += ops.pos_encoding_kernel_names(dtype)
     return list(dict.fromkeys(names))
 
 
@@ -191,7 +199,7 @@ def instantiation_source(source: str) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA toolkit) is not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("source", ["paged_attention.cu", "cache_kernels.cu"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_cuda_sources_compile_to_ptx(tmp_path, arch, source):
     wrapper = tmp_path / f"all_{source}"
     wrapper.write_text(instantiation_source(source))
@@ -209,7 +217,7 @@ def test_cuda_sources_compile_to_ptx(tmp_path, arch, source):
     nvrtc.find_library() is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)"
 )
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
-@pytest.mark.parametrize("source", ["paged_attention.cu", "cache_kernels.cu"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_loader_sources_compile_with_nvrtc(arch, source):
     """What CuPy's RawModule does on a GPU, minus the GPU: NVRTC compiles the
     source with the loader's options and finds every name expression."""

@@ -20,10 +20,13 @@ import random
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from minivllm import LLM, SamplingParams, cuda_emu
 from minivllm import _custom_ops as ops
 from minivllm.attention import selector
+from minivllm.model_executor.layers.layernorm import RMSNorm
+from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from tests.kernel_cases import lengths_around_blocks, make_decode_case
 from tools.tiny_models import make_tiny_model
 
@@ -165,6 +168,58 @@ def test_copy_blocks_is_exact(device, dtype):
             t[:, dst] = t[:, src]
     for got, want in zip(layers, expected, strict=True):
         assert torch.equal(got, want)
+
+
+# The layers' kernels (layernorm_kernels.cu, pos_encoding_kernels.cu) ----------
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens,hidden_size", [(1, 64), (5, 100), (9, 256)])
+def test_rms_norm_kernels_match_the_layers_pytorch_code(device, dtype, num_tokens, hidden_size):
+    """Against RMSNorm.forward_native: rows not a multiple of a block's 4, a
+    width not a multiple of a warp's 32. The fused add is one rounding in
+    both, so the new residual is exact; the norm sums in another order."""
+    torch.manual_seed(0)
+    layer = RMSNorm(hidden_size, eps=1e-5).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    x = torch.randn(num_tokens, hidden_size, device=device, dtype=dtype) * 3
+    residual = torch.randn(num_tokens, hidden_size, device=device, dtype=dtype)
+    atol, rtol = TOLERANCE[dtype]
+    with torch.no_grad():
+        got = layer.forward_cuda(x.clone())
+        synchronize(device)
+        torch.testing.assert_close(got, layer.forward_native(x.clone()), atol=atol, rtol=rtol)
+        normed, summed = layer.forward_cuda(x.clone(), residual.clone())
+        synchronize(device)
+        want_normed, want_summed = layer.forward_native(x.clone(), residual.clone())
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(normed, want_normed, atol=atol, rtol=rtol)
+
+
+@DTYPES
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 2, 64), (2, 1, 128)])
+def test_rotary_kernel_matches_the_layers_pytorch_code(
+    device, dtype, num_heads, num_kv_heads, head_size
+):
+    """Against RotaryEmbedding.forward_native, q and k being strided views of
+    one fused qkv row, as the attention layer passes them."""
+    torch.manual_seed(0)
+    config = LlamaConfig(rope_theta=10000.0, max_position_embeddings=512)
+    layer = RotaryEmbedding(head_size, 512, config).to(device)
+    num_tokens = 7
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, device=device)
+    qkv = qkv.to(dtype)
+    q = qkv[:, : num_heads * head_size]
+    k = qkv[:, num_heads * head_size : (num_heads + num_kv_heads) * head_size]
+    positions = torch.tensor([0, 1, 5, 100, 101, 511, 3], device=device)
+    got_q, got_k = layer.forward_cuda(positions, q, k)
+    synchronize(device)
+    want_q, want_k = layer.forward_native(positions, q, k)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(got_q, want_q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got_k, want_k, atol=atol, rtol=rtol)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
 
 
 @pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])

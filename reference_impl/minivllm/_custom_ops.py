@@ -18,6 +18,7 @@ runs except by the backend selector's error messages.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,22 @@ def paged_attention_kernel_names(dtype: torch.dtype, head_size: int, block_size:
 def cache_kernel_names(dtype: torch.dtype) -> list[str]:
     t = CUDA_DTYPES[dtype]
     return [f"reshape_and_cache_kernel<{t}>", f"copy_blocks_kernel<{t}>"]
+
+
+def layernorm_kernel_names(dtype: torch.dtype) -> list[str]:
+    t = CUDA_DTYPES[dtype]
+    return [f"rms_norm_kernel<{t}>", f"fused_add_rms_norm_kernel<{t}>"]
+
+
+def pos_encoding_kernel_names(dtype: torch.dtype) -> list[str]:
+    return [f"rotary_embedding_kernel<{CUDA_DTYPES[dtype]}>"]
+
+
+@functools.cache
+def cupy_available() -> bool:
+    """Whether CuPy can be imported: the layers' CUDA kernels need it, and
+    fall back to their PyTorch code without it (the `torch` backend's case)."""
+    return importlib.util.find_spec("cupy") is not None
 
 
 def _cupy():
@@ -214,3 +231,66 @@ def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> 
     block_numel = block_size * num_kv_heads * head_size
     args = (addresses, mapping, np.int64(num_blocks), np.int32(block_numel))
     _launch(kernel, (len(kv_caches), len(pairs)), args)
+
+
+# -- the layers' kernels (model_executor/layers: RMSNorm, RotaryEmbedding) ----
+
+ROWS_PER_BLOCK = NUM_THREADS // 32  # layernorm_kernels.cu: one warp per token row
+
+
+def rms_norm(
+    out: torch.Tensor,  # [num_tokens, hidden_size]
+    input: torch.Tensor,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [hidden_size]
+    epsilon: float,
+) -> None:
+    """out = RMSNorm(input) (twin of RMSNorm.forward_native); all contiguous, one dtype."""
+    num_tokens, hidden_size = input.shape
+    if num_tokens == 0:
+        return
+    names = layernorm_kernel_names(input.dtype)
+    kernel = _kernel("layernorm_kernels.cu", names, names[0])
+    args = (out, input, weight, np.float32(epsilon), np.int32(num_tokens), np.int32(hidden_size))
+    _launch(kernel, (-(-num_tokens // ROWS_PER_BLOCK),), args)
+
+
+def fused_add_rms_norm(
+    input: torch.Tensor,  # [num_tokens, hidden_size]: becomes the norm
+    residual: torch.Tensor,  # [num_tokens, hidden_size]: becomes input + residual
+    weight: torch.Tensor,  # [hidden_size]
+    epsilon: float,
+) -> None:
+    """In place, as vLLM's: residual += input, then input = RMSNorm(residual)."""
+    num_tokens, hidden_size = input.shape
+    if num_tokens == 0:
+        return
+    names = layernorm_kernel_names(input.dtype)
+    kernel = _kernel("layernorm_kernels.cu", names, names[1])
+    args = (input, residual, weight, np.float32(epsilon), np.int32(num_tokens),
+            np.int32(hidden_size))
+    _launch(kernel, (-(-num_tokens // ROWS_PER_BLOCK),), args)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens], int64
+    query: torch.Tensor,  # [num_tokens, num_heads * head_size], unit stride within a row
+    key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size], unit stride within a row
+    head_size: int,
+    cos_cache: torch.Tensor,  # [max_position, head_size / 2], float32
+    sin_cache: torch.Tensor,  # [max_position, head_size / 2], float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated query and key, as new contiguous tensors (twin of
+    RotaryEmbedding.forward_native)."""
+    num_tokens = positions.shape[0]
+    query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if num_tokens == 0:
+        return query_out, key_out
+    names = pos_encoding_kernel_names(query.dtype)
+    kernel = _kernel("pos_encoding_kernels.cu", names, names[0])
+    args = (query_out, key_out, query, key, positions, cos_cache, sin_cache,
+            np.int32(query.stride(0)), np.int32(key.stride(0)),
+            np.int32(query.shape[1] // head_size), np.int32(key.shape[1] // head_size),
+            np.int32(head_size))
+    _launch(kernel, (num_tokens,), args)
+    return query_out, key_out

@@ -12,13 +12,13 @@ per layer removes that. Under Inductor vLLM turns the custom ops off
 the compiler sees the native code and fuses it with its neighbours, which an
 opaque kernel would prevent.
 
-Ours has `forward_native` and `forward_cpu` only: on a GPU these layers run
-their native forward (we have no CUDA kernels for them; vLLM has). And it
-chooses on every call, where vLLM chooses once, when the layer is built,
-from the engine's config (`get_current_vllm_config()`, set while the model
-is built). Our layers take no config (a notebook builds them outside any
-engine), so the call asks `torch.compiler.is_compiling()`, as `Attention`
-does.
+Ours has `forward_native`, `forward_cpu` (Numba kernels) and `forward_cuda`
+(our CUDA kernels in `csrc/`, launched through CuPy; without CuPy a GPU runs
+the native code). And it chooses on every call, where vLLM chooses once,
+when the layer is built, from the engine's config (`get_current_vllm_config()`,
+set while the model is built). Our layers take no config (a notebook builds
+them outside any engine), so the call asks `torch.compiler.is_compiling()`,
+as `Attention` does.
 """
 
 from __future__ import annotations
@@ -26,12 +26,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm import _custom_ops
+
 
 class CustomOp(nn.Module):
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        """`forward_cpu` for CPU tensors run eagerly, else `forward_native`."""
-        if x.is_cpu and not torch.compiler.is_compiling():
-            return self.forward_cpu(x, *args, **kwargs)
+        """Run eagerly: `forward_cpu` for CPU tensors, `forward_cuda` for GPU
+        ones when CuPy is there; under torch.compile, `forward_native`."""
+        if not torch.compiler.is_compiling():
+            if x.is_cpu:
+                return self.forward_cpu(x, *args, **kwargs)
+            if x.is_cuda and _custom_ops.cupy_available():
+                return self.forward_cuda(x, *args, **kwargs)
         return self.forward_native(x, *args, **kwargs)
 
     def forward_native(self, *args, **kwargs):
@@ -40,4 +46,8 @@ class CustomOp(nn.Module):
 
     def forward_cpu(self, *args, **kwargs):
         """The CPU's kernels; by default the reference."""
+        return self.forward_native(*args, **kwargs)
+
+    def forward_cuda(self, *args, **kwargs):
+        """The GPU's kernels; by default the reference."""
         return self.forward_native(*args, **kwargs)

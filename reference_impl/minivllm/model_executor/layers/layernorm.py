@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import torch
 from torch import nn
 
+from minivllm import _custom_ops
 from minivllm.model_executor.custom_op import CustomOp
 from minivllm.model_executor.layers import cpu_ops_numba
 
@@ -51,13 +54,33 @@ class RMSNorm(CustomOp):
         cpu_ops_numba.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         return x, residual
 
-    def _kernel_fits(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    def forward_cuda(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One kernel (`csrc/layernorm_kernels.cu`), for what it reads
+        without bounds checks: rows of the weight's width in one of the
+        kernels' dtypes, the weight's too, contiguous, no autograd."""
+        if not self._kernel_fits(x, residual, _custom_ops.CUDA_DTYPES):
+            return self.forward_native(x, residual)
+        if residual is None:
+            out = torch.empty_like(x)
+            _custom_ops.rms_norm(out, x, self.weight, self.variance_epsilon)
+            return out
+        _custom_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        return x, residual
+
+    def _kernel_fits(
+        self, x: torch.Tensor, residual: torch.Tensor | None, dtypes: Container = (torch.float32,)
+    ) -> bool:
         tensors = (x, self.weight) if residual is None else (x, residual, self.weight)
         return (
             x.dim() == 2
             and self.weight.shape == (x.shape[1],)
             and (residual is None or residual.shape == x.shape)
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and x.dtype in dtypes
+            and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
             and not (x.requires_grad or (residual is not None and residual.requires_grad))
         )
 

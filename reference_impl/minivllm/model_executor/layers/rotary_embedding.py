@@ -9,10 +9,12 @@ the activations' dtype when applied, as Hugging Face does.
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 
 import torch
 from transformers import PretrainedConfig
 
+from minivllm import _custom_ops
 from minivllm.config import SUPPORTED_ROPE_TYPES, rope_parameters
 from minivllm.model_executor.custom_op import CustomOp
 from minivllm.model_executor.layers import cpu_ops_numba
@@ -81,8 +83,26 @@ class RotaryEmbedding(CustomOp):
             positions, query, key, self.head_size, self.cos_cache, self.sin_cache
         )
 
+    def forward_cuda(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel (`csrc/pos_encoding_kernels.cu`) for q and k, under the
+        same conditions as the CPU's, in any of the kernels' dtypes."""
+        if not self._kernel_fits(positions, query, key, _custom_ops.CUDA_DTYPES):
+            return self.forward_native(positions, query, key)
+        return _custom_ops.rotary_embedding(
+            positions, query, key, self.head_size, self.cos_cache, self.sin_cache
+        )
+
     def _kernel_fits(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        dtypes: Container = (torch.float32,),
     ) -> bool:
         rows = (query, key)
         return (
@@ -91,7 +111,8 @@ class RotaryEmbedding(CustomOp):
             and positions.is_contiguous()
             and all(t.dim() == 2 and t.shape[0] == positions.shape[0] for t in rows)
             and all(t.shape[1] % self.head_size == 0 for t in rows)
-            and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in rows)
+            and query.dtype in dtypes
+            and all(t.dtype == query.dtype and t.stride(-1) == 1 for t in rows)
             and not (query.requires_grad or key.requires_grad)
         )
 
