@@ -174,17 +174,25 @@ def test_copy_blocks_is_exact(device, dtype):
 
 
 @DTYPES
-@pytest.mark.parametrize("num_tokens,hidden_size", [(1, 64), (5, 100), (9, 256)])
-def test_rms_norm_kernels_match_the_layers_pytorch_code(device, dtype, num_tokens, hidden_size):
-    """Against RMSNorm.forward_native: rows not a multiple of a block's 4, a
-    width not a multiple of a warp's 32. The fused add is one rounding in
-    both, so the new residual is exact; the norm sums in another order."""
+@pytest.mark.parametrize(
+    "num_tokens,hidden_size,scale,eps",
+    [(1, 64, 3.0, 1e-5), (5, 100, 3.0, 1e-5), (9, 256, 3.0, 1e-5), (6, 64, 1e-2, 1e-2)],
+)
+def test_rms_norm_kernels_match_the_layers_pytorch_code(
+    device, dtype, num_tokens, hidden_size, scale, eps
+):
+    """Against RMSNorm.forward_native, with the layer's own weight (a
+    parameter that requires grad, which DLPack must be handed detached):
+    rows not a multiple of a block's 4, a width not a multiple of a warp's
+    32, and rows so small that epsilon weighs. The fused add is one
+    rounding in both, so the new residual is exact; the norm sums in another
+    order."""
     torch.manual_seed(0)
-    layer = RMSNorm(hidden_size, eps=1e-5).to(device=device, dtype=dtype)
+    layer = RMSNorm(hidden_size, eps=eps).to(device=device, dtype=dtype)
     with torch.no_grad():
         layer.weight.uniform_(0.5, 1.5)
-    x = torch.randn(num_tokens, hidden_size, device=device, dtype=dtype) * 3
-    residual = torch.randn(num_tokens, hidden_size, device=device, dtype=dtype)
+    x = torch.randn(num_tokens, hidden_size, device=device, dtype=dtype) * scale
+    residual = torch.randn(num_tokens, hidden_size, device=device, dtype=dtype) * scale
     atol, rtol = TOLERANCE[dtype]
     with torch.no_grad():
         got = layer.forward_cuda(x.clone())
@@ -197,13 +205,34 @@ def test_rms_norm_kernels_match_the_layers_pytorch_code(device, dtype, num_token
     torch.testing.assert_close(normed, want_normed, atol=atol, rtol=rtol)
 
 
+def test_rms_norm_kernels_write_only_their_rows(device):
+    """5 rows in a buffer of 8 (the last block's fourth warp has no row): the
+    rows past the end keep their NaNs, in both kernels."""
+    weight = torch.ones(64, device=device)
+    x = torch.randn(8, 64, device=device)
+    out = torch.full((8, 64), float("nan"), device=device)
+    ops.rms_norm(out[:5], x[:5], weight, 1e-5)
+    residual = torch.full((8, 64), float("nan"), device=device)
+    residual[:5] = 1.0
+    fused_input = x.clone()
+    fused_input[5:] = float("nan")
+    ops.fused_add_rms_norm(fused_input[:5], residual[:5], weight, 1e-5)
+    synchronize(device)
+    assert not out[:5].isnan().any() and out[5:].isnan().all()
+    assert not fused_input[:5].isnan().any() and fused_input[5:].isnan().all()
+    assert residual[5:].isnan().all()
+
+
 @DTYPES
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 2, 64), (2, 1, 128)])
 def test_rotary_kernel_matches_the_layers_pytorch_code(
     device, dtype, num_heads, num_kv_heads, head_size
 ):
-    """Against RotaryEmbedding.forward_native, q and k being strided views of
-    one fused qkv row, as the attention layer passes them."""
+    """Against RotaryEmbedding.forward_native: q and k as strided views of
+    one fused qkv row, as the attention layer passes them, then k from a
+    tensor of another row stride. In 16-bit dtypes every product and sum is
+    rounded as PyTorch rounds it, so the bits agree; in float32 the compiler
+    may fuse a multiply and an add (one rounding fewer)."""
     torch.manual_seed(0)
     config = LlamaConfig(rope_theta=10000.0, max_position_embeddings=512)
     layer = RotaryEmbedding(head_size, 512, config).to(device)
@@ -211,15 +240,52 @@ def test_rotary_kernel_matches_the_layers_pytorch_code(
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, device=device)
     qkv = qkv.to(dtype)
     q = qkv[:, : num_heads * head_size]
-    k = qkv[:, num_heads * head_size : (num_heads + num_kv_heads) * head_size]
+    k_views = [
+        qkv[:, num_heads * head_size : (num_heads + num_kv_heads) * head_size],
+        torch.randn(num_tokens, 3 * num_kv_heads * head_size, device=device).to(dtype)[
+            :, : num_kv_heads * head_size
+        ],
+    ]
     positions = torch.tensor([0, 1, 5, 100, 101, 511, 3], device=device)
-    got_q, got_k = layer.forward_cuda(positions, q, k)
-    synchronize(device)
-    want_q, want_k = layer.forward_native(positions, q, k)
-    atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(got_q, want_q, atol=atol, rtol=rtol)
-    torch.testing.assert_close(got_k, want_k, atol=atol, rtol=rtol)
-    assert got_q.is_contiguous() and got_k.is_contiguous()
+    atol, rtol = TOLERANCE[dtype] if dtype == torch.float32 else (0, 0)
+    for k in k_views:
+        got_q, got_k = layer.forward_cuda(positions, q, k)
+        synchronize(device)
+        want_q, want_k = layer.forward_native(positions, q, k)
+        torch.testing.assert_close(got_q, want_q, atol=atol, rtol=rtol)
+        torch.testing.assert_close(got_k, want_k, atol=atol, rtol=rtol)
+        assert got_q.is_contiguous() and got_k.is_contiguous()
+
+
+def test_engine_tokens_with_the_layers_kernels_equal_their_pytorch_code(
+    device, tmp_path, monkeypatch
+):
+    """float32, greedy and seeded: the engine with RMSNorm and the rotary
+    embedding on their CUDA kernels gives the tokens it gives with their
+    PyTorch code. On a GPU the switch is CuPy's presence; emulated, the
+    layers' CPU forward is pointed at one or the other."""
+    model = make_tiny_model(
+        "llama", str(tmp_path / "m"), hidden_size=256, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=512,
+    )
+    prompts = [[(5 * i + 11 * j) % 300 + 2 for j in range(n)] for i, n in enumerate([1, 17, 70])]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    ]
+    results = {}
+    for forward in ("forward_cuda", "forward_native"):
+        with monkeypatch.context() as patch:
+            if device == "cpu":
+                for layer in (RMSNorm, RotaryEmbedding):
+                    patch.setattr(layer, "forward_cpu", getattr(layer, forward))
+            elif forward == "forward_native":
+                patch.setattr(ops, "cupy_available", lambda: False)
+            llm = LLM(model, device=device, dtype="float32", block_size=16,
+                      kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[forward] = [o.outputs[0].token_ids for o in outs]
+            del llm
+    assert results["forward_cuda"] == results["forward_native"]
 
 
 @pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])

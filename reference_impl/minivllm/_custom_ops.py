@@ -18,7 +18,6 @@ runs except by the backend selector's error messages.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -75,9 +74,14 @@ def pos_encoding_kernel_names(dtype: torch.dtype) -> list[str]:
 
 @functools.cache
 def cupy_available() -> bool:
-    """Whether CuPy can be imported: the layers' CUDA kernels need it, and
-    fall back to their PyTorch code without it (the `torch` backend's case)."""
-    return importlib.util.find_spec("cupy") is not None
+    """Whether CuPy imports: the layers' CUDA kernels (`CustomOp.forward_cuda`)
+    need it, whatever the attention backend, and without it a GPU runs their
+    PyTorch code."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _cupy():
@@ -100,9 +104,17 @@ def _kernel(source: str, name_expressions: list[str], name: str):
     return _module(source, tuple(name_expressions)).get_function(name)
 
 
+def dlpack_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a launch exports it to DLPack: detached, since torch refuses to
+    export a tensor that requires grad (a layer's weight does). No copy.
+    The emulator's launches go through it too."""
+    return t.detach()
+
+
 def _as_cupy(cupy, t: torch.Tensor):
     """A CuPy view of `t` (DLPack, no copy). CuPy has no bfloat16, and the
     kernels only need the address, so 16-bit floats travel as int16."""
+    t = dlpack_view(t)
     if t.dtype in (torch.float16, torch.bfloat16):
         t = t.view(torch.int16)
     return cupy.from_dlpack(t)

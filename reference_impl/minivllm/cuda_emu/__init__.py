@@ -210,6 +210,12 @@ class EmulatedModule:
         return EmulatedKernel(self._library, self._names.index(name), name, self.seed)
 
 
+def _exported(t: torch.Tensor) -> torch.Tensor:
+    t = _custom_ops.dlpack_view(t)
+    t.__dlpack__()  # raises BufferError where cupy.from_dlpack would
+    return t
+
+
 @contextlib.contextmanager
 def emulated_custom_ops(seed: int = 0) -> Iterator[None]:
     """Within this block, `minivllm._custom_ops` launches its kernels in the
@@ -218,6 +224,9 @@ def emulated_custom_ops(seed: int = 0) -> Iterator[None]:
     saved = _custom_ops._module, _custom_ops._launch
 
     def launch(kernel, grid, args, shared_mem=0):
+        # Tensors as a GPU launch hands them over, exported once to DLPack
+        # as CuPy would: what torch refuses to export fails here too.
+        args = tuple(_exported(a) if isinstance(a, torch.Tensor) else a for a in args)
         kernel(grid, (_custom_ops.NUM_THREADS,), args, shared_mem=shared_mem)
 
     _custom_ops._module = lambda source, names: EmulatedModule(source, names, seed)

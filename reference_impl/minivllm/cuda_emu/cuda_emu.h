@@ -56,8 +56,10 @@ struct dim3 {
 inline float __int_as_float(int i) { return __builtin_bit_cast(float, i); }
 inline float __uint_as_float(unsigned u) { return __builtin_bit_cast(float, u); }
 // CUDA's reciprocal square root: on a GPU an approximation within 2 units in
-// the last place, here 1 / sqrt in two correctly rounded steps.
-inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+// the last place, here 1 / sqrt in two correctly rounded steps. Named apart
+// because glibc 2.42 declares an rsqrtf of its own.
+inline float emu_rsqrtf(float x) { return 1.0f / sqrtf(x); }
+#define rsqrtf emu_rsqrtf
 
 namespace emu {
 

@@ -90,7 +90,9 @@ class RotaryEmbedding(CustomOp):
         key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel (`csrc/pos_encoding_kernels.cu`) for q and k, under the
-        same conditions as the CPU's, in any of the kernels' dtypes."""
+        same conditions as the CPU's, in any of the kernels' dtypes. Like
+        the CPU kernel it trusts the positions to be below max_position (the
+        engine's are); the native code raises on one past it."""
         if not self._kernel_fits(positions, query, key, _custom_ops.CUDA_DTYPES):
             return self.forward_native(positions, query, key)
         return _custom_ops.rotary_embedding(
@@ -106,7 +108,11 @@ class RotaryEmbedding(CustomOp):
     ) -> bool:
         rows = (query, key)
         return (
-            positions.dtype == torch.int64
+            self.head_size % 2 == 0
+            # float32 caches, as built (a model cast with .to() casts them too)
+            and all(c.dtype == torch.float32 and c.is_contiguous()
+                    for c in (self.cos_cache, self.sin_cache))
+            and positions.dtype == torch.int64
             and positions.dim() == 1
             and positions.is_contiguous()
             and all(t.dim() == 2 and t.shape[0] == positions.shape[0] for t in rows)
