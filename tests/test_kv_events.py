@@ -144,13 +144,11 @@ def receive_all(sub: zmq.Socket, timeout_ms: int = 2000) -> list[tuple[int, dict
     return messages
 
 
-@pytest.fixture
-def events_llm(tiny_model_dir, tmp_path):
-    """V1 with events on, publishing on an ipc endpoint (bound: it starts
+def events_engine(model: str, endpoint: str, **events) -> LLM:
+    """V1 with events on, topic "kv", on an ipc endpoint (bound: it starts
     with ipc://), and a pool of 11 usable blocks of 4 tokens."""
-    endpoint = f"ipc://{tmp_path}/kv-events"
-    llm = LLM(
-        tiny_model_dir("llama"),
+    return LLM(
+        model,
         use_v1=True,
         block_size=4,
         num_gpu_blocks_override=12,
@@ -159,8 +157,16 @@ def events_llm(tiny_model_dir, tmp_path):
             "enable_kv_cache_events": True,
             "endpoint": endpoint,
             "topic": "kv",
-            "replay_endpoint": f"ipc://{tmp_path}/replay",
+            **events,
         },
+    )
+
+
+@pytest.fixture
+def events_llm(tiny_model_dir, tmp_path):
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    llm = events_engine(
+        tiny_model_dir("llama"), endpoint, replay_endpoint=f"ipc://{tmp_path}/replay"
     )
     sub = subscriber(endpoint)
     connect(llm, sub)
@@ -306,14 +312,7 @@ def test_the_engine_core_process_publishes_too(tiny_model_dir, tmp_path, monkeyp
     so the publisher, live there."""
     monkeypatch.setenv("MINIVLLM_ENABLE_V1_MULTIPROCESSING", "1")
     endpoint = f"ipc://{tmp_path}/kv-events-mp"
-    llm = LLM(
-        tiny_model_dir("llama"),
-        use_v1=True,
-        block_size=4,
-        max_model_len=40,
-        num_gpu_blocks_override=12,
-        kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv"},
-    )
+    llm = events_engine(tiny_model_dir("llama"), endpoint)
     sub = subscriber(endpoint)
     try:
         connect(llm, sub)

@@ -257,13 +257,7 @@ def rms_norm(
     epsilon: float,
 ) -> None:
     """out = RMSNorm(input) (twin of RMSNorm.forward_native); all contiguous, one dtype."""
-    num_tokens, hidden_size = input.shape
-    if num_tokens == 0:
-        return
-    names = layernorm_kernel_names(input.dtype)
-    kernel = _kernel("layernorm_kernels.cu", names, names[0])
-    args = (out, input, weight, np.float32(epsilon), np.int32(num_tokens), np.int32(hidden_size))
-    _launch(kernel, (-(-num_tokens // ROWS_PER_BLOCK),), args)
+    _launch_norm(0, out, input, weight, epsilon)
 
 
 def fused_add_rms_norm(
@@ -273,13 +267,20 @@ def fused_add_rms_norm(
     epsilon: float,
 ) -> None:
     """In place, as vLLM's: residual += input, then input = RMSNorm(residual)."""
-    num_tokens, hidden_size = input.shape
+    _launch_norm(1, input, residual, weight, epsilon)
+
+
+def _launch_norm(
+    index: int, first: torch.Tensor, second: torch.Tensor, weight: torch.Tensor, epsilon: float
+) -> None:
+    """layernorm_kernels.cu's kernel `index` (in layernorm_kernel_names'
+    order) on two [num_tokens, hidden_size] tensors, one warp per row."""
+    num_tokens, hidden_size = second.shape
     if num_tokens == 0:
         return
-    names = layernorm_kernel_names(input.dtype)
-    kernel = _kernel("layernorm_kernels.cu", names, names[1])
-    args = (input, residual, weight, np.float32(epsilon), np.int32(num_tokens),
-            np.int32(hidden_size))
+    names = layernorm_kernel_names(second.dtype)
+    kernel = _kernel("layernorm_kernels.cu", names, names[index])
+    args = (first, second, weight, np.float32(epsilon), np.int32(num_tokens), np.int32(hidden_size))
     _launch(kernel, (-(-num_tokens // ROWS_PER_BLOCK),), args)
 
 
