@@ -363,6 +363,26 @@ def test_the_endpoint_is_bound_or_connected_by_vllms_rule():
     assert not any(binds(e) for e in ("tcp://127.0.0.1:5557", "tcp://collector:5557"))
 
 
+def test_a_connecting_publisher_reaches_a_collector_that_binds():
+    """An address without a wildcard is connected to: a collector (here a SUB
+    socket on loopback) binds it and receives the batches."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.LINGER, 0)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}", topic="kv"
+    )
+    publisher = ZmqEventPublisher(config)
+    try:
+        assert wait_connected(publisher, sub)
+        publisher.publish(KVEventBatch(ts=7.0, events=[AllBlocksCleared()]))
+        assert [b["events"] for _, b in receive_all(sub)] == [[{"type": "AllBlocksCleared"}]]
+    finally:
+        publisher.shutdown()
+        sub.close()
+
+
 def test_an_endpoint_that_cannot_be_opened_is_named(tmp_path):
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/no/such/dir")
     with pytest.raises(ValueError, match=r"kv_events_config\.endpoint='ipc://.*' cannot be opened"):
