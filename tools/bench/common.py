@@ -29,6 +29,9 @@ from tools.tiny_models import make_tiny_model
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FIRST_ORDINARY_TOKEN = 2  # 0 and 1 are BOS and EOS in tools/tiny_models.py
+# Tokens per KV-cache block in every benchmark: vLLM's default, and the page
+# size HF's paged cache is given where it is a peer.
+BLOCK_SIZE = 16
 
 T = TypeVar("T")
 

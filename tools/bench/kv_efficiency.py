@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 from minivllm import LLM, SamplingParams
 from tools.bench.common import (
+    BLOCK_SIZE,
     BenchRequest,
     WorkloadSpec,
     add_workload_args,
@@ -46,8 +47,6 @@ from tools.bench.common import (
     workload_spec,
     write_result,
 )
-
-BLOCK_SIZE = 16
 
 
 @dataclass

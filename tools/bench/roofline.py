@@ -91,6 +91,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.worker.model_runner import FlatBatch
 from tools.bench import machine
 from tools.bench.common import (
+    BLOCK_SIZE,
     FIRST_ORDINARY_TOKEN,
     WorkloadSpec,
     add_model_args,
@@ -111,8 +112,6 @@ from tools.bench.profiling import (
 )
 from tools.bench.throughput import engine_run
 from tools.bench.throughput import make_engine as make_throughput_engine
-
-BLOCK_SIZE = 16
 
 # Where a profiled event's self time goes, by the innermost label around it.
 PARTS = ("matmul", "model_other", "attention", "sampling", "prepare_inputs", "schedule",

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 
 from minivllm import LLM, SamplingParams
 from tools.bench.common import (
+    BLOCK_SIZE,
     make_bench_model,
     plot_path,
     print_table,
@@ -52,7 +53,6 @@ from tools.bench.common import (
 )
 
 PROMPT_LEN = 32  # two blocks: one shared prefix block, one of the request's own
-BLOCK_SIZE = 16
 
 
 @dataclass

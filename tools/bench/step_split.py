@@ -39,10 +39,15 @@ from collections.abc import Callable, Iterator
 import torch
 
 from minivllm import LLM, SamplingParams
-from tools.bench.common import add_model_args, make_bench_model, print_table, set_threads
+from tools.bench.common import (
+    BLOCK_SIZE,
+    add_model_args,
+    make_bench_model,
+    print_table,
+    set_threads,
+)
 from tools.bench.profiling import timed_into, wrap_method
 
-BLOCK_SIZE = 16
 PARTS = ("schedule", "prepare_inputs", "model", "sampler", "process", "other")
 
 

@@ -75,6 +75,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from minivllm import LLM, SamplingParams
 from tools.bench.common import (
+    BLOCK_SIZE,
     BenchRequest,
     Repeated,
     WorkloadSpec,
@@ -91,7 +92,6 @@ from tools.bench.common import (
     write_result,
 )
 
-BLOCK_SIZE = 16
 PAD_TOKEN_ID = 0  # left padding; masked out by the attention mask
 NO_EOS = -1  # HF continuous batching's "no end-of-sequence token"
 DEFAULT_HF_CB_BATCH_SIZES = (8, 16, 64)  # 32 was slower than 8 and 16 here: see --help
