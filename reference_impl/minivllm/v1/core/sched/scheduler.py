@@ -86,8 +86,9 @@ class Scheduler:
             ),
         )
         self.kv_event_publisher = create_event_publisher(kv_events_config)
-        # An engine dropped without shutdown() still closes its socket.
-        weakref.finalize(self, self.kv_event_publisher.shutdown)
+        # Closes the publisher once: at shutdown(), or when an engine dropped
+        # without it is collected.
+        self._close_publisher = weakref.finalize(self, self.kv_event_publisher.shutdown)
 
     # -- requests ---------------------------------------------------------
 
@@ -416,4 +417,4 @@ class Scheduler:
 
     def shutdown(self) -> None:
         """Close the KV-event publisher (its socket and thread)."""
-        self.kv_event_publisher.shutdown()
+        self._close_publisher()
