@@ -229,7 +229,7 @@ class Sequence:
         return self.data.stage == SequenceStage.PREFILL
 
     def is_finished(self) -> bool:
-        return SequenceStatus.is_finished(self.status)
+        return SequenceStatus.is_finished(self._status)
 
     def reset_state_for_recompute(self) -> None:
         self.data.reset_state_for_recompute()
@@ -273,6 +273,14 @@ class SequenceGroup:
         self.priority = priority
         self.seqs = seqs
         self.seqs_dict = {seq.seq_id: seq for seq in seqs}
+        # vLLM v0.6's shortcut for the common case: a group of one sequence
+        # answers "which of my sequences are RUNNING / unfinished?" from its
+        # first sequence alone, without building a list. The scheduler asks
+        # such questions about every running group several times a step, so
+        # at batch 64 this is a good part of a step's host time. `add` keeps
+        # the flag true to the group (a fork makes it False for good).
+        self.first_seq = seqs[0]
+        self.is_single_seq = len(seqs) == 1
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         # With prompt_logprobs: one entry per prompt token, None for the first
@@ -288,25 +296,33 @@ class SequenceGroup:
 
     @property
     def prompt(self) -> str | None:
-        return self.seqs[0].prompt
+        return self.first_seq.prompt
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.seqs[0].prompt_token_ids
+        return self.first_seq.prompt_token_ids
 
     @property
     def arrival_time(self) -> float:
         return self.metrics.arrival_time
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        """The group's sequences (with `status`, if given). The list may be
+        the group's own (`self.seqs`), as in vLLM: read it, never change it."""
         if status is None:
-            return list(self.seqs)
+            return self.seqs
+        if self.is_single_seq:
+            return self.seqs if self.first_seq.status == status else []
         return [seq for seq in self.seqs if seq.status == status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
+        if self.is_single_seq:
+            return [] if self.first_seq.is_finished() else self.seqs
         return [seq for seq in self.seqs if not seq.is_finished()]
 
     def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        if status is None:
+            return len(self.seqs)
         return len(self.get_seqs(status))
 
     def get_max_num_running_seqs(self) -> int:
@@ -325,6 +341,7 @@ class SequenceGroup:
     def add(self, seq: Sequence) -> None:
         self.seqs.append(seq)
         self.seqs_dict[seq.seq_id] = seq
+        self.is_single_seq = False
 
     def is_prefill(self) -> bool:
         """Whether the group's next step is a prefill. Its unfinished
@@ -335,6 +352,8 @@ class SequenceGroup:
         return bool(unfinished) and unfinished[0].is_prefill()
 
     def is_finished(self) -> bool:
+        if self.is_single_seq:
+            return self.first_seq.is_finished()
         return all(seq.is_finished() for seq in self.seqs)
 
     def maybe_set_first_scheduled_time(self, now: float) -> None:
