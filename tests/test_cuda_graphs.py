@@ -1,4 +1,5 @@
-"""CUDA graphs of decode steps (worker/cuda_graph_runner.py, ModelRunner.capture_model).
+"""CUDA graphs of decode steps (worker/cuda_graph_runner.py, ModelRunner.capture_model,
+and V1's GPUModelRunner.capture_model).
 
 The oracle is the eager engine on the same checkpoint (`enforce_eager=True`).
 
@@ -10,9 +11,13 @@ stand-in for the whole runner, and once with the real `capture_model` and
 `CUDAGraphRunner` over a stand-in for `torch.cuda.CUDAGraph` whose replay
 runs the recorded forward again on the same buffers: what a replay computes.
 
+V1 (`use_v1=True`) is checked the same ways, at its own sizes (current
+vLLM's list) and by its own rule: a step whose every request computes one
+token, prompt or not, is padded and replayed.
+
 On a GPU (marker `cuda`) the graphs are real: the engine's tokens equal the
-eager engine's, and a replay equals the eager forward of the same padded
-batch bit for bit, cache writes included.
+eager engine's, in both engines, and a replay equals the eager forward of
+the same padded batch bit for bit, cache writes included.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backends.torch_paged import TorchAttentionBackend
 from minivllm.compilation import set_forward_context
+from minivllm.v1.worker.gpu_model_runner import cudagraph_capture_sizes
 from minivllm.worker.model_runner import _BATCH_SIZES_TO_CAPTURE, _get_graph_batch_size
 from tests.hf_oracle import poison_kv_cache
 from tools.tiny_models import make_tiny_model
@@ -47,7 +53,13 @@ def greedy() -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
 
 
+def is_v1(llm: LLM) -> bool:
+    return hasattr(llm.llm_engine, "engine_core")
+
+
 def runner_of(llm: LLM):
+    if is_v1(llm):
+        return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
     return llm.llm_engine.worker.model_runner
 
 
@@ -200,6 +212,119 @@ def test_enforce_eager_and_prefills_never_use_a_graph(tiny_model_dir):
     assert not runner._use_captured_graph(model_input.batch)
 
 
+# -- V1 on a CPU -----------------------------------------------------------------------------
+
+
+def v1_llm(model: str, **options) -> LLM:
+    defaults = dict(attention_backend="torch", max_num_seqs=8, max_seq_len_to_capture=64,
+                    block_size=16)
+    return LLM(model, use_v1=True, **{**defaults, **options})
+
+
+def test_v1_capture_sizes_are_current_vllms():
+    """1, 2, 4, then multiples of 8 below 256, then of 16, up to twice
+    max_num_seqs, at most 512 (vLLM's default cudagraph_capture_sizes)."""
+    assert cudagraph_capture_sizes(1) == [1, 2]
+    assert cudagraph_capture_sizes(3) == [1, 2, 4]
+    assert cudagraph_capture_sizes(8) == [1, 2, 4, 8, 16]
+    assert cudagraph_capture_sizes(20) == [1, 2, 4, 8, 16, 24, 32, 40]
+    sizes = cudagraph_capture_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 512 and len(sizes) == 3 + 31 + 17
+    assert sizes[sizes.index(248):sizes.index(248) + 3] == [248, 256, 272]
+    assert cudagraph_capture_sizes(10_000) == sizes
+
+
+def test_v1_nothing_is_captured_on_a_cpu(tiny_model_dir):
+    runner = runner_of(v1_llm(tiny_model_dir("llama")))
+    assert runner.cudagraph_batch_sizes == [1, 2, 4, 8, 16]
+    assert runner.graph_runners == {}
+
+
+def install_v1_stand_ins(llm: LLM) -> list[tuple[int, int]]:
+    runner, calls = runner_of(llm), []
+    sizes = runner.cudagraph_batch_sizes
+    runner.graph_runners = {s: EagerStandIn(runner.model_forward, s, calls) for s in sizes}
+    return calls
+
+
+def padded_v1_size(num_reqs: int) -> int:
+    """By hand from the sizes [1, 2, 4, 8, 16]."""
+    return {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8}[num_reqs]
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_v1_uniform_decode_steps_run_padded_through_a_graph(tiny_model_dir, backend):
+    """The classic workload on V1: its decode steps of 4, 3, 2 and 1 requests
+    (after the 70-token prompt, past the 64-token cap, has finished) go
+    through the graph of the next captured size with their padding; the
+    prefill step does not; the tokens are V1's eager ones."""
+    model = tiny_model_dir("llama")
+    want = token_ids(v1_llm(model, enforce_eager=True, attention_backend=backend).generate(
+        prompts(), greedy(), use_tqdm=False))
+    llm = v1_llm(model, attention_backend=backend)
+    calls = install_v1_stand_ins(llm)
+    assert token_ids(llm.generate(prompts(), greedy(), use_tqdm=False)) == want
+    assert {real for _, real in calls} == {4, 3, 2, 1}
+    for size, real in calls:
+        assert size == padded_v1_size(real)
+    assert len(calls) == MAX_TOKENS[0] - MAX_TOKENS[2]
+
+
+def test_v1_a_one_token_prompt_alone_is_a_uniform_decode_step(tiny_model_dir):
+    """vLLM V1 decides by tokens, not by phase: a request whose whole prompt
+    is one token computes one token in its first step, which a graph runs;
+    its first sampled token is the eager engine's."""
+    model = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = prompts()[0]
+    assert len(prompt["prompt_token_ids"]) == 1
+    want = token_ids(v1_llm(model, enforce_eager=True).generate([prompt], params, use_tqdm=False))
+    llm = v1_llm(model)
+    calls = install_v1_stand_ins(llm)
+    assert token_ids(llm.generate([prompt], params, use_tqdm=False)) == want
+    assert calls == [(1, 1)] * 5  # the prompt's step, then four decodes
+
+
+def test_v1_prefill_and_mixed_steps_run_eagerly(tiny_model_dir):
+    """A prompt's step and a step that mixes one request's decode with
+    another's prompt never go through a graph; the decodes after do."""
+    llm = v1_llm(tiny_model_dir("llama"))
+    calls = install_v1_stand_ins(llm)
+    engine = llm.llm_engine
+    engine.add_request("a", prompts()[1], greedy()[1])
+    engine.step()  # a's 17-token prompt
+    engine.add_request("b", prompts()[3], greedy()[3])
+    engine.step()  # a's decode and b's 5-token prompt
+    assert calls == []
+    engine.step()  # both decode
+    assert calls == [(2, 2)]
+
+
+def test_v1_captured_runners_replay_the_eager_forward(tiny_model_dir, monkeypatch):
+    """V1's real capture_model and the shared CUDAGraphRunner over ReplayEager,
+    stale block numbers in the shared block-table buffer included."""
+    for name, fake in (("CUDAGraph", ReplayEager), ("graph", capturing),
+                       ("synchronize", lambda: None), ("graph_pool_handle", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    monkeypatch.setattr(TorchAttentionBackend, "supports_cuda_graphs", True)
+    model = tiny_model_dir("llama")
+    want = token_ids(v1_llm(model, enforce_eager=True).generate(
+        prompts(), greedy(), use_tqdm=False))
+    llm = v1_llm(model)
+    runner = runner_of(llm)
+    runner.model_forward = ReplayEager.record(runner.model_forward)
+    runner.capture_model()
+    assert sorted(runner.graph_runners) == [1, 2, 4, 8, 16]
+    tables = runner.graph_runners[16].input_buffers["block_tables"]  # shared by all sizes
+    assert tables.shape == (16, 64 // 16)
+    num_blocks = runner.kv_caches[0].shape[1]
+    with torch.inference_mode():
+        tables.copy_(torch.randint(0, num_blocks, tables.shape))
+    ReplayEager.replays = 0
+    assert token_ids(llm.generate(prompts(), greedy(), use_tqdm=False)) == want
+    assert ReplayEager.replays == MAX_TOKENS[0] - MAX_TOKENS[2]
+
+
 # -- on a GPU ---------------------------------------------------------------------------------
 
 
@@ -249,14 +374,16 @@ def count_replays(runner) -> list[int]:
         ),
     ],
 )
-def test_graphs_give_the_eager_engines_tokens(tmp_path, dtype, options, positions):
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
+def test_graphs_give_the_eager_engines_tokens(tmp_path, dtype, options, positions, use_v1):
     model = tiny_gpu_model(tmp_path / "m", positions)
     seeded = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    sizes = [1, 2, 4, 8, 16] if use_v1 else [1, 2, 4, 8]
     results = {}
     for enforce_eager in (True, False):
-        llm = gpu_llm(model, dtype, enforce_eager=enforce_eager, **options)
+        llm = gpu_llm(model, dtype, enforce_eager=enforce_eager, use_v1=use_v1, **options)
         runner = runner_of(llm)
-        assert sorted(runner.graph_runners) == ([] if enforce_eager else [1, 2, 4, 8])
+        assert sorted(runner.graph_runners) == ([] if enforce_eager else sizes)
         replays = count_replays(runner)
         results[enforce_eager] = (
             token_ids(llm.generate(prompts(), greedy(), use_tqdm=False)),

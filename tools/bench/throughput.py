@@ -574,14 +574,14 @@ def run_throughput(
     agree["engine_vs_hf_static_batch"] = agreement(ours.outputs, key.hf_static.outputs).summary()
     agree["engine_vs_hf_one_at_a_time"] = agreement(ours.outputs, hf_single.outputs).summary()
 
-    if device == "cuda" and not enforce_eager and not use_v1:
+    if device == "cuda" and not enforce_eager:
         # What the graphs buy: the same engine without them, runs alternated.
-        eager_llm = new_engine(False, batch_kv, eager=True)
+        eager_llm = new_engine(use_v1, batch_kv, eager=True)
+        engine_name = f"{'V1' if use_v1 else 'engine'}, batch {max_num_seqs}"
         graphs, eager = (
-            engine_run(llm, requests, f"engine, batch {max_num_seqs}, CUDA graphs (pair)",
+            engine_run(llm, requests, f"{engine_name}, CUDA graphs (pair)",
                        max_num_seqs, batch_kv),
-            engine_run(eager_llm, requests, f"engine, batch {max_num_seqs}, eager",
-                       max_num_seqs, batch_kv),
+            engine_run(eager_llm, requests, f"{engine_name}, eager", max_num_seqs, batch_kv),
         )
         for _ in range(repeats - 1):
             add_repetition(graphs, engine_run(llm, requests, graphs.name, max_num_seqs, batch_kv))

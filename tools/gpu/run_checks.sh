@@ -5,7 +5,7 @@
 #   split       where a batch-64 decode step's time goes (graphs and eager, the sampler synced or not)
 #   latency     one request, engine (CUDA graphs, then eager) against HF generate
 #   throughput  the benchmark workload in float16 against HF generate_batch and static
-#   v1          the same workload on V1 (eager: V1 captures no CUDA graphs), HF at batch 64 only
+#   v1          the same workload on V1 (CUDA graphs, then eager, alternated), HF at batch 64 only
 # (default: the first five; V1 has not run on a GPU yet, so add v1 when time allows). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
 # $THROUGHPUT_ARGS replaces the throughput run's --repeats 3 (three, so that the median drops
 # HF's first static run, which on an H100 took about ten times its later ones).

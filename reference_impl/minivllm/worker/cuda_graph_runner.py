@@ -23,15 +23,25 @@ point's detail):
 
 Only the model forward is captured; logits and sampling run eagerly on its
 output rows, as in vLLM.
+
+Both engines capture with `capture_decode_graphs`: the classic runner at
+vLLM v0.6's batch sizes, V1's at current vLLM's (each runner says which).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import torch
 
 from minivllm.attention import AttentionMetadata
+from minivllm.attention.backends.abstract import AttentionBackend
+from minivllm.attention.kv_cache import PAD_SLOT_ID
+from minivllm.compilation import set_forward_context
+
+logger = logging.getLogger(__name__)
 
 # vLLM's: forward runs before the capture, so that lazy work (the CUDA
 # kernels' compilation, cuBLAS handles, the allocator's first blocks) happens
@@ -89,3 +99,87 @@ class CUDAGraphRunner:
         buffers["block_tables"][:, : tables.shape[1]].copy_(tables, non_blocking=True)
         self.graph.replay()
         return self.output_buffers["hidden_states"]
+
+
+def capture_decode_graphs(
+    model_forward: Callable[..., torch.Tensor],
+    attn_backend: type[AttentionBackend],
+    batch_sizes: list[int],  # ascending
+    max_seq_len_to_capture: int,
+    block_size: int,
+    kv_caches: list[torch.Tensor],
+    forward_context_layers: tuple[list, list],  # (attention layers, packed layers)
+) -> dict[int, CUDAGraphRunner]:
+    """One graph per decode batch size, largest first so the smaller ones
+    reuse its memory pool (vLLM's `capture_model`). None for a backend whose
+    attention cannot be captured (`AttentionBackend.supports_cuda_graphs`):
+    every step then runs eagerly."""
+    if not attn_backend.supports_cuda_graphs:
+        logger.info(
+            "attention backend %r cannot run in a CUDA graph: every step runs eagerly",
+            attn_backend.get_name(),
+        )
+        return {}
+    start = time.perf_counter()
+    max_batch = batch_sizes[-1]
+    device = kv_caches[0].device
+    # The buffers every graph reads, sliced to its size: token 0 at position
+    # 0, slots PAD_SLOT_ID (nothing is written), contexts of 1 token in block
+    # 0; each replay first copies the real step into them.
+    input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+    positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+    memory_pool = torch.cuda.graph_pool_handle()
+    metadata = _graph_capture_metadata(
+        attn_backend, max_batch, max_seq_len_to_capture, block_size, device
+    )
+    runners: dict[int, CUDAGraphRunner] = {}
+    for batch_size in reversed(batch_sizes):
+        attn_metadata = metadata(batch_size)
+        runner = CUDAGraphRunner(model_forward)
+        with set_forward_context(attn_metadata, kv_caches, *forward_context_layers):
+            runner.capture(
+                input_ids[:batch_size], positions[:batch_size], kv_caches, attn_metadata,
+                memory_pool,
+            )
+        runners[batch_size] = runner
+    logger.info(
+        "captured CUDA graphs for decode batches of %s sequences in %.1f s",
+        batch_sizes, time.perf_counter() - start,
+    )
+    return runners
+
+
+def _graph_capture_metadata(
+    attn_backend: type[AttentionBackend],
+    max_batch: int,
+    max_seq_len_to_capture: int,
+    block_size: int,
+    device: torch.device,
+) -> Callable[[int], AttentionMetadata]:
+    """The dummy decode metadata of each captured size, its tensors slices
+    of buffers shared by every graph (vLLM's
+    `graph_capture_get_metadata_for_batch`)."""
+    on_device = dict(dtype=torch.long, device=device)
+    slot_mapping = torch.full((max_batch,), PAD_SLOT_ID, **on_device)
+    seq_lens = torch.ones(max_batch, **on_device)
+    max_blocks = -(-max_seq_len_to_capture // block_size)
+    block_tables = torch.zeros(max_batch, max_blocks, **on_device)
+
+    def for_batch(batch_size: int) -> AttentionMetadata:
+        attn_metadata = attn_backend.get_metadata_cls()(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=batch_size,
+            slot_mapping=slot_mapping[:batch_size],
+            seq_lens=[1] * batch_size,
+            context_lens=[0] * batch_size,
+            query_start_loc=[0],
+            block_tables=block_tables[:batch_size],
+            seq_lens_tensor=seq_lens[:batch_size],
+        )
+        # The kernels' launch is sized for the longest context a replay may
+        # bring, not for the dummy rows' 1 token (the host list's).
+        attn_metadata.max_decode_seq_len = max_seq_len_to_capture
+        return attn_metadata
+
+    return for_batch

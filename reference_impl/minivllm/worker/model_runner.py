@@ -23,9 +23,6 @@ the same way (`_use_captured_graph`).
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +40,7 @@ from minivllm.model_executor.layers.utils import packed_gemm_layers
 from minivllm.model_executor.model_loader import get_model
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sequence import SequenceGroupMetadata
-from minivllm.worker.cuda_graph_runner import CUDAGraphRunner
-
-logger = logging.getLogger(__name__)
+from minivllm.worker.cuda_graph_runner import CUDAGraphRunner, capture_decode_graphs
 
 # vLLM v0.6.3's decode batch sizes that CUDA graphs are captured for: 1, 2, 4,
 # then every multiple of 8 up to 256 (no more than max_num_seqs, padded).
@@ -305,71 +300,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
-        """Capture one CUDA graph per decode batch size, largest first so the
-        smaller ones reuse its memory pool (vLLM's `capture_model`; the
-        worker calls it on a GPU only). Nothing is captured for a backend
-        whose attention cannot be (`AttentionBackend.supports_cuda_graphs`)."""
-        if not self.attn_backend.supports_cuda_graphs:
-            logger.info(
-                "attention backend %r cannot run in a CUDA graph: every step runs eagerly",
-                self.attn_backend.get_name(),
-            )
-            return
-        start = time.perf_counter()
-        max_batch = self.max_batchsize_to_capture
-        on_device = dict(dtype=torch.long, device=self.device)
-        # The buffers every graph reads, sliced to its size: token 0 at
-        # position 0, slots PAD_SLOT_ID (nothing is written), contexts of 1
-        # token in block 0; each replay first copies the real step into them.
-        input_ids = torch.zeros(max_batch, **on_device)
-        positions = torch.zeros(max_batch, **on_device)
-        memory_pool = torch.cuda.graph_pool_handle()
-        sizes = [size for size in _BATCH_SIZES_TO_CAPTURE if size <= max_batch]
-        metadata = self._graph_capture_metadata(max_batch)
-        for batch_size in reversed(sizes):
-            attn_metadata = metadata(batch_size)
-            runner = CUDAGraphRunner(self.model_forward)
-            with set_forward_context(
-                attn_metadata, kv_caches, self.attn_layers, self.packed_layers
-            ):
-                runner.capture(
-                    input_ids[:batch_size], positions[:batch_size], kv_caches, attn_metadata,
-                    memory_pool,
-                )
-            self.graph_runners[batch_size] = runner
-        logger.info(
-            "captured CUDA graphs for decode batches of %s sequences in %.1f s",
-            sizes, time.perf_counter() - start,
+        """Capture one CUDA graph per decode batch size of
+        `_BATCH_SIZES_TO_CAPTURE` up to the largest worth it (vLLM's
+        `capture_model`; the worker calls it on a GPU only)."""
+        self.graph_runners = capture_decode_graphs(
+            self.model_forward,
+            self.attn_backend,
+            [size for size in _BATCH_SIZES_TO_CAPTURE if size <= self.max_batchsize_to_capture],
+            self.max_seq_len_to_capture,
+            self.block_size,
+            kv_caches,
+            (self.attn_layers, self.packed_layers),
         )
-
-    def _graph_capture_metadata(self, max_batch: int) -> Callable[[int], AttentionMetadata]:
-        """The dummy decode metadata of each captured size, its tensors
-        slices of buffers shared by every graph (vLLM's
-        `graph_capture_get_metadata_for_batch`)."""
-        on_device = dict(dtype=torch.long, device=self.device)
-        slot_mapping = torch.full((max_batch,), PAD_SLOT_ID, **on_device)
-        seq_lens = torch.ones(max_batch, **on_device)
-        max_blocks = -(-self.max_seq_len_to_capture // self.block_size)
-        block_tables = torch.zeros(max_batch, max_blocks, **on_device)
-
-        def for_batch(batch_size: int) -> AttentionMetadata:
-            attn_metadata = self.attn_backend.get_metadata_cls()(
-                num_prefills=0,
-                num_prefill_tokens=0,
-                num_decode_tokens=batch_size,
-                slot_mapping=slot_mapping[:batch_size],
-                seq_lens=[1] * batch_size,
-                context_lens=[0] * batch_size,
-                query_start_loc=[0],
-                block_tables=block_tables[:batch_size],
-                seq_lens_tensor=seq_lens[:batch_size],
-            )
-            # The kernels' launch is sized for the longest context a replay
-            # may bring, not for the dummy rows' 1 token (the host list's).
-            attn_metadata.max_decode_seq_len = self.max_seq_len_to_capture
-            return attn_metadata
-
-        return for_batch
 
     @torch.inference_mode()
     def execute_model(

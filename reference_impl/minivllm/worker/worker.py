@@ -199,12 +199,15 @@ class Worker:
         their collectives, which must then be captured in step on every rank.
         (vLLM then reseeds torch's global generators, which warm-up may have
         drawn from; our sampler keeps a generator of its own.)"""
-        if (
+        if self.captures_cuda_graphs():
+            self.model_runner.capture_model(self.gpu_cache)
+
+    def captures_cuda_graphs(self) -> bool:
+        return (
             self.device.type == "cuda"
             and not self.model_config.enforce_eager
             and self.parallel_config.world_size == 1
-        ):
-            self.model_runner.capture_model(self.gpu_cache)
+        )
 
     @property
     def gpu_cache(self) -> list[torch.Tensor]:

@@ -17,6 +17,15 @@ Each step it
 
 It shares the classic engine's models and attention backends; its sampler
 is V1's (v1/sample/sampler.py), built of the classic sampler's stages.
+
+On a GPU, unless `enforce_eager`, `capture_model` records the forward of
+each size in `cudagraph_batch_sizes` (current vLLM's default list) as a
+CUDA graph, as the classic runner does (worker/cuda_graph_runner.py), and a
+step whose every request computes one token ("uniform decode") is padded to
+the next captured size and replayed: vLLM V1's `FULL_DECODE_ONLY` mode.
+vLLM's default, `FULL_AND_PIECEWISE`, also replays the rest of every mixed
+step around attention from graphs captured piece by piece by its compiler;
+ours runs mixed steps eagerly.
 Our attention contract (attention/backends/abstract.py) wants requests with
 several new tokens (prefills, prompt chunks) before those with one (decodes);
 vLLM's backends that care want decodes first. Either way the runner swaps
@@ -25,12 +34,15 @@ rows of the persistent batch to match, as vLLM's `reorder_batch` does.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from minivllm.attention.kv_cache import PAD_SLOT_ID
 from minivllm.attention.layer import attention_layers
 from minivllm.attention.selector import get_attn_backend
 from minivllm.compilation import model_forward, set_forward_context
@@ -46,6 +58,18 @@ from minivllm.v1.outputs import ModelRunnerOutput
 from minivllm.v1.sample.metadata import SamplingMetadata
 from minivllm.v1.sample.sampler import Sampler
 from minivllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+from minivllm.worker.cuda_graph_runner import CUDAGraphRunner, capture_decode_graphs
+
+
+def cudagraph_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM V1's default batch sizes to capture (its `cudagraph_capture_sizes`):
+    1, 2, 4, the multiples of 8 below 256, then of 16, up to twice
+    `max_num_seqs` and at most 512 (`max_cudagraph_capture_size`; twice, so
+    that steps of several tokens per request under speculative decoding
+    are covered too; our decode steps use sizes up to `max_num_seqs`)."""
+    largest = min(max_num_seqs * 2, 512)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)]
+    return [size for size in sizes if size <= largest]
 
 
 @dataclass
@@ -105,6 +129,11 @@ class GPUModelRunner:
         self.attn_layers: list = []
         self.packed_layers: list = []
         self.kv_caches: list[torch.Tensor] = []
+        # CUDA graphs: the sizes captured (ascending), the longest context a
+        # graph covers, and the graphs by size (none until capture_model).
+        self.cudagraph_batch_sizes = cudagraph_capture_sizes(scheduler_config.max_num_seqs)
+        self.max_seq_len_to_capture = model_config.max_seq_len_to_capture
+        self.graph_runners: dict[int, CUDAGraphRunner] = {}
         # The last step's model input (None: the model did not run), kept as
         # the classic worker keeps its FlatBatch: references, not copies.
         self.last_inputs: StepInputs | None = None
@@ -117,6 +146,36 @@ class GPUModelRunner:
 
     def initialize_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """One CUDA graph per size of `cudagraph_batch_sizes`, over the KV
+        cache (vLLM V1's `capture_model`; the worker calls it on a GPU only)."""
+        self.graph_runners = capture_decode_graphs(
+            self.model_forward,
+            self.attn_backend,
+            self.cudagraph_batch_sizes,
+            self.max_seq_len_to_capture,
+            self.block_size,
+            self.kv_caches,
+            (self.attn_layers, self.packed_layers),
+        )
+
+    def _cudagraph_batch_size(self, num_scheduled: np.ndarray, seq_lens: np.ndarray) -> int | None:
+        """The captured size this step is padded to and replayed at, or None
+        to run it eagerly: a graph covers a uniform decode step (one token per
+        request) of no more requests than the largest size and, as in the
+        classic runner, no context past `max_seq_len_to_capture` (vLLM V1's
+        attention backends need no such cap)."""
+        sizes = self.cudagraph_batch_sizes
+        if (
+            not self.graph_runners
+            or (num_scheduled != 1).any()
+            or len(num_scheduled) > sizes[-1]
+            or seq_lens.max() > self.max_seq_len_to_capture
+        ):
+            return None
+        return sizes[bisect.bisect_left(sizes, len(num_scheduled))]
 
     # -- 1. the persistent batch ------------------------------------------
 
@@ -195,7 +254,9 @@ class GPUModelRunner:
     # -- 2. the step's inputs -----------------------------------------------
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
-        """(input_ids, positions, attn_metadata, logits_indices, sample_rows)."""
+        """(input_ids, positions, attn_metadata, logits_indices, sample_rows,
+        graph_size): the model's tensors padded to `graph_size` rows when a
+        CUDA graph runs the step (`_cudagraph_batch_size`; else None)."""
         batch = self.input_batch
         num_reqs = batch.num_reqs
         # [num_reqs] tokens scheduled per row
@@ -223,6 +284,24 @@ class GPUModelRunner:
             slot_mapping,
         )
         num_prefills = int((num_scheduled > 1).sum())  # rows with several tokens come first
+        # A row samples when the step reaches the end of its known tokens;
+        # a prompt chunk that does not is computed, not sampled. (vLLM
+        # samples every row and throws those tokens away.)
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
+        logits_indices = cu_num_tokens[sample_rows] - 1
+        block_tables = batch.block_table.get_device_tensor(num_reqs, self.device)
+
+        graph_size = self._cudagraph_batch_size(num_scheduled, seq_lens)
+        if graph_size is not None:
+            # Dummy requests after the real ones, as the classic runner's
+            # `FlatBatch.padded_to`: token 0 at position 0, its K/V written
+            # nowhere (PAD_SLOT_ID), a context of 1 token in the null block.
+            pad = graph_size - num_reqs
+            input_ids, positions = _pad(input_ids, pad, 0), _pad(positions, pad, 0)
+            slot_mapping = _pad(slot_mapping, pad, PAD_SLOT_ID)
+            seq_lens, computed = _pad(seq_lens, pad, 1), _pad(computed, pad, 0)
+            block_tables = F.pad(block_tables, (0, 0, 0, pad))  # rows of block 0
+            num_reqs = graph_size
 
         def as_tensor(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
@@ -235,20 +314,16 @@ class GPUModelRunner:
             seq_lens=seq_lens.tolist(),
             context_lens=computed.tolist(),
             query_start_loc=[0, *cu_num_tokens[:num_prefills].tolist()],
-            block_tables=batch.block_table.get_device_tensor(num_reqs, self.device),
+            block_tables=block_tables,
             seq_lens_tensor=as_tensor(seq_lens),
         )
-        # A row samples when the step reaches the end of its known tokens;
-        # a prompt chunk that does not is computed, not sampled. (vLLM
-        # samples every row and throws those tokens away.)
-        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
-        logits_indices = cu_num_tokens[sample_rows] - 1
         return (
             as_tensor(input_ids),
             as_tensor(positions),
             attn_metadata,
             logits_indices,
             sample_rows,
+            graph_size,
         )
 
     # -- 3. run, sample, keep the tokens --------------------------------------
@@ -265,13 +340,16 @@ class GPUModelRunner:
         if not scheduler_output.total_num_scheduled_tokens:
             return ModelRunnerOutput(req_ids, req_id_to_index, sampled, logprobs)
 
-        input_ids, positions, attn_metadata, logits_indices, sample_rows = self._prepare_inputs(
-            scheduler_output
+        input_ids, positions, attn_metadata, logits_indices, sample_rows, graph_size = (
+            self._prepare_inputs(scheduler_output)
         )
+        forward = self.model_forward if graph_size is None else self.graph_runners[graph_size]
         with set_forward_context(
             attn_metadata, self.kv_caches, self.attn_layers, self.packed_layers
         ):
-            hidden_states = self.model_forward(input_ids, positions, self.kv_caches, attn_metadata)
+            # [num_tokens (padded), hidden_size]; a graph's output is its
+            # buffer, valid until the next replay: read it within this step.
+            hidden_states = forward(input_ids, positions, self.kv_caches, attn_metadata)
         # [num_sample_rows, vocab_size]
         logits = self.model.compute_logits(hidden_states[torch.from_numpy(logits_indices)])
         if len(sample_rows):
@@ -410,3 +488,8 @@ class GPUModelRunner:
                 state.in_progress_prompt_logprobs = None
                 del self.num_prompt_logprobs[req_id]
         return completed
+
+
+def _pad(values: np.ndarray, pad: int, fill: int) -> np.ndarray:
+    """`values` with `pad` entries of `fill` appended."""
+    return np.concatenate([values, np.full(pad, fill, dtype=values.dtype)])

@@ -37,11 +37,13 @@ class Worker(ClassicWorker):
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         super().initialize_cache(num_gpu_blocks, 0)
-        self.model_runner.initialize_kv_cache(self.gpu_cache)
 
     def _warm_up_model(self) -> None:
-        """No CUDA graphs in our V1 yet (vLLM's V1 captures them, whole or
-        piece by piece around attention): its steps all run eagerly."""
+        """vLLM V1's `compile_or_warm_up_model`: the runner gets the cache,
+        then captures its decode graphs where the classic worker would."""
+        self.model_runner.initialize_kv_cache(self.gpu_cache)
+        if self.captures_cuda_graphs():
+            self.model_runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         num_tokens = scheduler_output.total_num_scheduled_tokens
