@@ -31,7 +31,9 @@ from minivllm import LLM, SamplingParams
 from minivllm.attention.backends.torch_paged import TorchAttentionBackend
 from minivllm.compilation import set_forward_context
 from minivllm.v1.worker.gpu_model_runner import cudagraph_capture_sizes
+from minivllm.worker.cuda_graph_runner import CUDAGraphRunner
 from minivllm.worker.model_runner import _BATCH_SIZES_TO_CAPTURE, _get_graph_batch_size
+from minivllm.worker.worker import Worker as ClassicWorker
 from tests.hf_oracle import poison_kv_cache
 from tools.tiny_models import make_tiny_model
 
@@ -223,21 +225,27 @@ def v1_llm(model: str, **options) -> LLM:
 
 def test_v1_capture_sizes_are_current_vllms():
     """1, 2, 4, then multiples of 8 below 256, then of 16, up to twice
-    max_num_seqs, at most 512 (vLLM's default cudagraph_capture_sizes)."""
-    assert cudagraph_capture_sizes(1) == [1, 2]
-    assert cudagraph_capture_sizes(3) == [1, 2, 4]
-    assert cudagraph_capture_sizes(8) == [1, 2, 4, 8, 16]
-    assert cudagraph_capture_sizes(20) == [1, 2, 4, 8, 16, 24, 32, 40]
-    sizes = cudagraph_capture_sizes(256)
+    max_num_seqs, at most 512 and max_num_batched_tokens (vLLM's default
+    cudagraph_capture_sizes)."""
+    assert cudagraph_capture_sizes(1, 2048) == [1, 2]
+    assert cudagraph_capture_sizes(3, 2048) == [1, 2, 4]
+    assert cudagraph_capture_sizes(8, 2048) == [1, 2, 4, 8, 16]
+    assert cudagraph_capture_sizes(20, 2048) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert cudagraph_capture_sizes(20, 30) == [1, 2, 4, 8, 16, 24]
+    sizes = cudagraph_capture_sizes(256, 8192)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 512 and len(sizes) == 3 + 31 + 17
     assert sizes[sizes.index(248):sizes.index(248) + 3] == [248, 256, 272]
-    assert cudagraph_capture_sizes(10_000) == sizes
+    assert cudagraph_capture_sizes(10_000, 8192) == sizes
 
 
-def test_v1_nothing_is_captured_on_a_cpu(tiny_model_dir):
-    runner = runner_of(v1_llm(tiny_model_dir("llama")))
-    assert runner.cudagraph_batch_sizes == [1, 2, 4, 8, 16]
-    assert runner.graph_runners == {}
+@pytest.mark.parametrize(("max_num_seqs", "captured"), [
+    (1, [1]), (3, [1, 2]), (8, [1, 2, 4, 8]), (50, [1, 2, 4, 8, 16, 24, 32, 40, 48])])
+def test_v1_captures_the_decode_sizes_up_to_max_num_seqs(tiny_model_dir, max_num_seqs, captured):
+    """FULL_DECODE_ONLY: a uniform-decode step has one token per request, so
+    no graph larger than max_num_seqs could ever be replayed."""
+    runner = runner_of(v1_llm(tiny_model_dir("llama"), max_num_seqs=max_num_seqs))
+    assert runner.cudagraph_batch_sizes == captured
+    assert runner.graph_runners == {}  # nothing is captured on a CPU
 
 
 def install_v1_stand_ins(llm: LLM) -> list[tuple[int, int]]:
@@ -248,7 +256,7 @@ def install_v1_stand_ins(llm: LLM) -> list[tuple[int, int]]:
 
 
 def padded_v1_size(num_reqs: int) -> int:
-    """By hand from the sizes [1, 2, 4, 8, 16]."""
+    """By hand from the sizes [1, 2, 4, 8]."""
     return {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8}[num_reqs]
 
 
@@ -300,13 +308,68 @@ def test_v1_prefill_and_mixed_steps_run_eagerly(tiny_model_dir):
     assert calls == [(2, 2)]
 
 
-def test_v1_captured_runners_replay_the_eager_forward(tiny_model_dir, monkeypatch):
-    """V1's real capture_model and the shared CUDAGraphRunner over ReplayEager,
-    stale block numbers in the shared block-table buffer included."""
+def test_v1_graphs_stop_at_the_context_cap_and_the_largest_size(tiny_model_dir):
+    """A request with a 60-token prompt decodes through a graph while its
+    context, after the step, is at most max_seq_len_to_capture (64): 61 to
+    64, four steps; and with max_num_seqs 3 (graphs of 1 and 2) a step of
+    three requests runs eagerly."""
+    llm = v1_llm(tiny_model_dir("llama"))
+    calls = install_v1_stand_ins(llm)
+    prompt = {"prompt_token_ids": [(7 * j) % 300 + 2 for j in range(60)]}
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                 use_tqdm=False)
+    assert calls == [(1, 1)] * 4
+    llm = v1_llm(tiny_model_dir("llama"), max_num_seqs=3)
+    calls = install_v1_stand_ins(llm)
+    llm.generate(prompts()[3:], greedy()[3:], use_tqdm=False)  # 20, 12 and 6 tokens
+    assert sorted(set(calls)) == [(1, 1), (2, 2)]
+    assert len(calls) == MAX_TOKENS[3] - MAX_TOKENS[5]
+
+
+def fake_cuda_graphs(monkeypatch) -> None:
+    """torch.cuda's graph capture on a CPU: ReplayEager records, and the
+    torch backend counts as capturable."""
     for name, fake in (("CUDAGraph", ReplayEager), ("graph", capturing),
                        ("synchronize", lambda: None), ("graph_pool_handle", lambda: None)):
         monkeypatch.setattr(torch.cuda, name, fake)
     monkeypatch.setattr(TorchAttentionBackend, "supports_cuda_graphs", True)
+
+
+def test_v1_worker_captures_over_its_cache_when_graphs_are_on(tiny_model_dir, monkeypatch):
+    """The V1 worker's start-up, where the classic worker would capture
+    (a GPU, not enforce_eager, one worker: forced here): the runner gets the
+    cache first, then captures every size over it; with enforce_eager it
+    captures nothing."""
+    fake_cuda_graphs(monkeypatch)
+    forced = {}
+
+    def captures(worker) -> bool:
+        forced["asked"] = True
+        return not worker.model_config.enforce_eager
+
+    monkeypatch.setattr(ClassicWorker, "captures_cuda_graphs", captures)
+    monkeypatch.setattr(CUDAGraphRunner, "capture", record_and_capture)
+    llm = v1_llm(tiny_model_dir("llama"))
+    runner = runner_of(llm)
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+    assert forced["asked"] and sorted(runner.graph_runners) == [1, 2, 4, 8]
+    assert runner.kv_caches is worker.gpu_cache
+    assert all(g.captured_caches is worker.gpu_cache for g in runner.graph_runners.values())
+    assert runner_of(v1_llm(tiny_model_dir("llama"), enforce_eager=True)).graph_runners == {}
+
+
+_real_capture = CUDAGraphRunner.capture
+
+
+def record_and_capture(self, input_ids, positions, kv_caches, attn_metadata, memory_pool):
+    self.captured_caches = kv_caches
+    return _real_capture(self, input_ids, positions, kv_caches, attn_metadata, memory_pool)
+
+
+def test_v1_captured_runners_replay_the_eager_forward(tiny_model_dir, monkeypatch):
+    """V1's real capture_model and the shared CUDAGraphRunner over ReplayEager,
+    stale block numbers in the shared block-table buffer included."""
+    fake_cuda_graphs(monkeypatch)
     model = tiny_model_dir("llama")
     want = token_ids(v1_llm(model, enforce_eager=True).generate(
         prompts(), greedy(), use_tqdm=False))
@@ -314,9 +377,9 @@ def test_v1_captured_runners_replay_the_eager_forward(tiny_model_dir, monkeypatc
     runner = runner_of(llm)
     runner.model_forward = ReplayEager.record(runner.model_forward)
     runner.capture_model()
-    assert sorted(runner.graph_runners) == [1, 2, 4, 8, 16]
-    tables = runner.graph_runners[16].input_buffers["block_tables"]  # shared by all sizes
-    assert tables.shape == (16, 64 // 16)
+    assert sorted(runner.graph_runners) == [1, 2, 4, 8]
+    tables = runner.graph_runners[8].input_buffers["block_tables"]  # shared by all sizes
+    assert tables.shape == (8, 64 // 16)
     num_blocks = runner.kv_caches[0].shape[1]
     with torch.inference_mode():
         tables.copy_(torch.randint(0, num_blocks, tables.shape))
@@ -378,12 +441,11 @@ def count_replays(runner) -> list[int]:
 def test_graphs_give_the_eager_engines_tokens(tmp_path, dtype, options, positions, use_v1):
     model = tiny_gpu_model(tmp_path / "m", positions)
     seeded = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
-    sizes = [1, 2, 4, 8, 16] if use_v1 else [1, 2, 4, 8]
     results = {}
     for enforce_eager in (True, False):
         llm = gpu_llm(model, dtype, enforce_eager=enforce_eager, use_v1=use_v1, **options)
         runner = runner_of(llm)
-        assert sorted(runner.graph_runners) == ([] if enforce_eager else sizes)
+        assert sorted(runner.graph_runners) == ([] if enforce_eager else [1, 2, 4, 8])
         replays = count_replays(runner)
         results[enforce_eager] = (
             token_ids(llm.generate(prompts(), greedy(), use_tqdm=False)),
@@ -418,6 +480,41 @@ def test_a_replay_equals_the_eager_forward_of_its_padded_batch(tmp_path):
         want = runner.model_forward(*args, eager_cache, model_input.attn_metadata)
     with torch.inference_mode():
         got = runner.graph_runners[4](*args, cache, model_input.attn_metadata).clone()
+    torch.cuda.synchronize()
+    assert torch.equal(got[:3], want[:3])
+    for layer, eager_layer in zip(cache, eager_cache, strict=True):
+        assert torch.equal(layer.view(torch.int32), eager_layer.view(torch.int32))
+
+
+@pytest.mark.cuda
+def test_a_v1_replay_equals_the_eager_forward_of_its_padded_batch(tmp_path):
+    """V1's twin of the test above: the step after three prefills, as
+    `execute_model` prepares it (3 requests padded to 4), replayed and run
+    eagerly over copies of the NaN-poisoned cache, V1's null block included."""
+    llm = gpu_llm(tiny_gpu_model(tmp_path / "m"), "float32", max_seq_len_to_capture=512,
+                  use_v1=True)
+    engine, runner = llm.llm_engine, runner_of(llm)
+    cache = runner.kv_caches
+    with torch.inference_mode():
+        for layer in cache:
+            layer.fill_(float("nan"))
+    for i in range(3):
+        engine.add_request(str(i), prompts()[i], greedy()[i])
+    engine.step()  # the prefills
+    scheduler_output = engine.engine_core.engine_core.scheduler.schedule()
+    runner._update_states(scheduler_output)
+    input_ids, positions, attn_metadata, _, _, graph_size = runner._prepare_inputs(
+        scheduler_output
+    )
+    assert graph_size == 4 and input_ids.shape == (4,) and attn_metadata.use_cuda_graph
+
+    eager_cache = [layer.clone() for layer in cache]
+    with torch.inference_mode(), set_forward_context(
+        attn_metadata, eager_cache, runner.attn_layers, runner.packed_layers
+    ):
+        want = runner.model_forward(input_ids, positions, eager_cache, attn_metadata)
+    with torch.inference_mode():
+        got = runner.graph_runners[4](input_ids, positions, cache, attn_metadata).clone()
     torch.cuda.synchronize()
     assert torch.equal(got[:3], want[:3])
     for layer, eager_layer in zip(cache, eager_cache, strict=True):

@@ -19,8 +19,8 @@ It shares the classic engine's models and attention backends; its sampler
 is V1's (v1/sample/sampler.py), built of the classic sampler's stages.
 
 On a GPU, unless `enforce_eager`, `capture_model` records the forward of
-each size in `cudagraph_batch_sizes` (current vLLM's default list) as a
-CUDA graph, as the classic runner does (worker/cuda_graph_runner.py), and a
+each size in `cudagraph_batch_sizes` (current vLLM's default sizes, up to
+`max_num_seqs`) as a CUDA graph, as the classic runner does (worker/cuda_graph_runner.py), and a
 step whose every request computes one token ("uniform decode") is padded to
 the next captured size and replayed: vLLM V1's `FULL_DECODE_ONLY` mode.
 vLLM's default, `FULL_AND_PIECEWISE`, also replays the rest of every mixed
@@ -61,13 +61,13 @@ from minivllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from minivllm.worker.cuda_graph_runner import CUDAGraphRunner, capture_decode_graphs
 
 
-def cudagraph_capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM V1's default batch sizes to capture (its `cudagraph_capture_sizes`):
-    1, 2, 4, the multiples of 8 below 256, then of 16, up to twice
-    `max_num_seqs` and at most 512 (`max_cudagraph_capture_size`; twice, so
-    that steps of several tokens per request under speculative decoding
-    are covered too; our decode steps use sizes up to `max_num_seqs`)."""
-    largest = min(max_num_seqs * 2, 512)
+def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """vLLM V1's default sizes, in tokens, to capture graphs at (its
+    `cudagraph_capture_sizes`): 1, 2, 4, the multiples of 8 below 256, then
+    of 16, up to `max_cudagraph_capture_size` = twice `max_num_seqs`, at most
+    512 and at most `max_num_batched_tokens`. (Twice: headroom for the
+    token counts of mixed steps, which vLLM's piecewise graphs replay.)"""
+    largest = min(max_num_seqs * 2, 512, max_num_batched_tokens)
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)]
     return [size for size in sizes if size <= largest]
 
@@ -131,7 +131,17 @@ class GPUModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # CUDA graphs: the sizes captured (ascending), the longest context a
         # graph covers, and the graphs by size (none until capture_model).
-        self.cudagraph_batch_sizes = cudagraph_capture_sizes(scheduler_config.max_num_seqs)
+        # A full graph of a uniform-decode step holds one token per request,
+        # so vLLM's FULL_DECODE_ONLY captures the sizes up to max_num_seqs:
+        # a step of more requests than the largest of them runs eagerly.
+        max_num_seqs = scheduler_config.max_num_seqs
+        self.cudagraph_batch_sizes = [
+            size
+            for size in cudagraph_capture_sizes(
+                max_num_seqs, scheduler_config.max_num_batched_tokens
+            )
+            if size <= max_num_seqs
+        ]
         self.max_seq_len_to_capture = model_config.max_seq_len_to_capture
         self.graph_runners: dict[int, CUDAGraphRunner] = {}
         # The last step's model input (None: the model did not run), kept as
@@ -316,6 +326,7 @@ class GPUModelRunner:
             query_start_loc=[0, *cu_num_tokens[:num_prefills].tolist()],
             block_tables=block_tables,
             seq_lens_tensor=as_tensor(seq_lens),
+            use_cuda_graph=graph_size is not None,
         )
         return (
             as_tensor(input_ids),
