@@ -22,6 +22,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.arg_utils import EngineArgs
+from minivllm.sampling_params import RequestOutputKind
 from minivllm.v1.engine.async_llm import AsyncLLM
 from minivllm.v1.engine.llm_engine import LLMEngine
 
@@ -326,7 +327,7 @@ def test_a_request_aborted_before_its_first_output_ends_with_zero_cached_tokens(
     processor = OutputProcessor(tokenizer)
     request = EngineCoreRequest("a", tokenizer.encode("Once"), SamplingParams(), None, 0.0,
                                 external_req_id="a")
-    queue = RequestOutputCollector("a")
+    queue = RequestOutputCollector(RequestOutputKind.CUMULATIVE, "a")
     processor.add_request(request, "Once", queue=queue)
     processor.abort_requests(["a"])
     output = queue.get_nowait()

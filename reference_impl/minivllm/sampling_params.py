@@ -35,6 +35,14 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request holds (vLLM's enum)."""
+
+    CUMULATIVE = 0  # everything generated so far, every step
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping rules (vLLM's names and meanings).
@@ -79,6 +87,12 @@ class SamplingParams:
         of several loses its last token whenever the generated tokens end
         with the others (vLLM's V1 `bad_words`). The same text spelled with
         other tokens, or begun in the prompt, is not caught.
+    output_kind: what each of the request's `RequestOutput`s holds
+        (`RequestOutputKind`). `LLM.generate` sets FINAL_ONLY on its copy, as
+        vLLM's does: it returns the final outputs only, so the engine need
+        not build one per request per step. DELTA needs best_of == n: of
+        more sequences than it returns, which n lead changes from step to
+        step, and a delta of another sequence means nothing.
     """
 
     n: int = 1
@@ -104,6 +118,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Every token id that ends this request: stop_token_ids, plus the EOS ids
     # that the engine adds when it accepts the request
     # (`update_from_generation_config`). The sampler masks them while fewer
@@ -258,6 +273,16 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "spaces_between_special_tokens"):
             check_bool(name, getattr(self, name))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise WrongTypeError(
+                "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                f"got {show(self.output_kind)}"
+            )
+        if self.output_kind == RequestOutputKind.DELTA and self.best_of != self.n:
+            raise ValueError(
+                f"best_of must equal n to use output_kind=DELTA, got n={self.n}, "
+                f"best_of={self.best_of}"
+            )
         if self.sampling_type == SamplingType.GREEDY and self.best_of > 1:
             raise ValueError(
                 "n and best_of must be 1 when sampling greedily (temperature=0), "

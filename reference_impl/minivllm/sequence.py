@@ -156,6 +156,10 @@ class Sequence:
         self.read_offset = 0
         self._status = SequenceStatus.WAITING  # a new sequence, not a transition
         self.stop_reason: int | str | None = None
+        # How much of the output the request's outputs have carried so far
+        # (output_kind=DELTA returns only what lies past these).
+        self._last_output_token_ids_offset = 0
+        self._last_output_text_offset = 0
 
     @property
     def status(self) -> SequenceStatus:
@@ -210,16 +214,24 @@ class Sequence:
     def get_cumulative_logprob(self) -> float:
         return self.data.cumulative_logprob
 
-    def get_output_text_to_return(self, buffer_length: int) -> str:
+    def get_output_text_to_return(self, buffer_length: int, delta: bool = False) -> str:
         """The output text that is safe to show now: while generating, all
         but its last `buffer_length` characters
         (`SamplingParams.output_text_buffer_length`), which could be the start
         of a stop string that would have to be taken back; once finished, all
-        of it (vLLM v0.6's rule).
+        of it (vLLM v0.6's rule). With `delta`, only the part of it past what
+        the previous call returned.
         """
-        if buffer_length and not self.is_finished():
-            return self.output_text[:-buffer_length]
-        return self.output_text
+        return output_text_to_return(self, buffer_length, self.is_finished(), delta)
+
+    def get_output_token_ids_to_return(self, delta: bool = False) -> list[int]:
+        """The output token ids so far; with `delta`, those past what the
+        previous call returned."""
+        if not delta:
+            return self.data.output_token_ids
+        start = self._last_output_token_ids_offset
+        self._last_output_token_ids_offset = self.get_output_len()
+        return self.data.output_token_ids[start:]
 
     def get_num_new_tokens(self) -> int:
         """Tokens this sequence feeds the model next step: all uncomputed ones."""
@@ -243,6 +255,21 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence(seq_id={self.seq_id}, status={self.status.name}, len={self.get_len()})"
+
+
+def output_text_to_return(holder, buffer_length: int, finished: bool, delta: bool) -> str:
+    """The text of `holder` (a classic `Sequence` or V1's detokenizer: its
+    `output_text` and `_last_output_text_offset`) safe to show now: all of
+    it once finished, else all but its last `buffer_length` characters;
+    with `delta`, only what lies past the previous delta call's end."""
+    length = len(holder.output_text)
+    if buffer_length and not finished:
+        length = max(length - buffer_length, 0)
+    if not delta:
+        return holder.output_text[:length]
+    start = holder._last_output_text_offset
+    holder._last_output_text_offset = max(start, length)
+    return holder.output_text[start:length]
 
 
 @dataclass

@@ -431,7 +431,8 @@ class LLMEngine:
             if seq_group.is_finished() and seq_group.metrics.finished_time is None:
                 seq_group.metrics.finished_time = now
                 self._live_request_ids.discard(seq_group.request_id)
-        return [RequestOutput.from_seq_group(sg) for sg in finished_now]
+        outputs = (RequestOutput.from_seq_group(sg) for sg in finished_now)
+        return [output for output in outputs if output is not None]  # None: FINAL_ONLY, running
 
     def _assign_samples(
         self, seq_group: SequenceGroup, samples: list[SequenceOutput]

@@ -21,6 +21,7 @@ without the repository's tools on its path.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from typing import TYPE_CHECKING, Any
@@ -229,10 +230,15 @@ def request_line(
         "prompt": prompt,
         "prompt_token_ids": prompt_token_ids,
         "sampling_params": {
-            f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init
+            f.name: _plain(getattr(params, f.name)) for f in dataclasses.fields(params) if f.init
         },
         "priority": priority,
     }
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as JSON holds it: an enum (output_kind) by its name."""
+    return value.name if isinstance(value, enum.Enum) else value
 
 
 def _scheduled(record: StepRecord) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 from collections.abc import Iterable, Sequence
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.utils import WrongTypeError, show
 from minivllm.v1.engine.llm_engine import LLMEngine as V1LLMEngine
 
@@ -93,7 +94,16 @@ class LLM:
     def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> str:
         """One request into the engine, under the next number as its id
         (a good place for a breakpoint: every prompt of `generate` passes
-        here). Returns the id."""
+        here). Returns the id.
+
+        Only the final outputs are wanted, so the request asks for nothing
+        else (output_kind FINAL_ONLY, as vLLM's `LLM` sets): the engine then
+        builds no `RequestOutput` for it until it finishes. vLLM sets it on
+        the caller's object; we set it on a copy, which leaves the caller's
+        parameters as they were for any later use."""
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            params = copy.copy(params)
+            params.output_kind = RequestOutputKind.FINAL_ONLY
         request_id = str(next(self.request_counter))
         self.llm_engine.add_request(request_id, prompt, params, priority=priority)
         return request_id

@@ -154,7 +154,7 @@ class AsyncLLM(EngineClient):
         )
         self.input_processor.assign_request_id(request, None)  # the core is apart
         self._run_output_handler()
-        queue = RequestOutputCollector(request.request_id)
+        queue = RequestOutputCollector(request.sampling_params.output_kind, request.request_id)
         await self._add_fanned_out(request, prompt_text, queue)
         return queue
 

@@ -16,7 +16,7 @@ start of a stop string that the next token completes.
 from __future__ import annotations
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import PositionLogprobs
+from minivllm.sequence import PositionLogprobs, output_text_to_return
 from minivllm.transformers_utils.detokenizer import Detokenizer
 
 
@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.stop_buffer_length = params.output_text_buffer_length
+        self._last_output_text_offset = 0  # the text output_kind=DELTA has returned
 
     def get_output_token_ids(self) -> list[int]:
         return self.output_token_ids
@@ -80,11 +81,10 @@ class IncrementalDetokenizer:
             self.output_text = self.output_text[:truncate_to]
         return stop_str
 
-    def get_next_output_text(self, finished: bool) -> str:
-        """The text safe to show: all of it once finished."""
-        if finished or not self.stop_buffer_length:
-            return self.output_text
-        return self.output_text[: max(len(self.output_text) - self.stop_buffer_length, 0)]
+    def get_next_output_text(self, finished: bool, delta: bool = False) -> str:
+        """The text safe to show (all of it once finished); with `delta`,
+        only what the previous delta call did not return."""
+        return output_text_to_return(self, self.stop_buffer_length, finished, delta)
 
 
 def check_stop_strings(

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.sequence import PositionLogprobs, RequestMetrics
 from minivllm.transformers_utils.detokenizer import Detokenizer
 from minivllm.v1.engine import (
@@ -39,11 +39,14 @@ from minivllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 class RequestOutputCollector:
     """One request's outputs, from the output handler to its generator
-    (vLLM's name). Outputs are cumulative, so if the generator falls behind
-    only the newest is kept: a slow reader skips outputs, never text. An
-    exception takes the place of any output and is raised to the reader."""
+    (vLLM's name). If the generator falls behind, the unread outputs are
+    merged into one (`RequestOutput.add`): a cumulative output replaces the
+    one before it, DELTA outputs are added up, so a slow reader gets fewer
+    outputs, never less text. An exception takes the place of any output
+    and is raised to the reader."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, output_kind: RequestOutputKind, request_id: str) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
         self.request_id = request_id  # the internal id (a parent's for n > 1)
         self.output: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
@@ -52,7 +55,7 @@ class RequestOutputCollector:
         if self.output is None or isinstance(output, BaseException):
             self.output = output
         elif not isinstance(self.output, BaseException):
-            self.output = output  # newer and cumulative: replaces the unread one
+            self.output.add(output, aggregate=self.aggregate)
         self.ready.set()
 
     async def get(self) -> RequestOutput:
@@ -140,6 +143,7 @@ class RequestState:
     # With prompt_logprobs: [] until the core sends them, then None (nothing
     # predicts the first token) and one entry per later prompt token.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_returned: bool = False  # DELTA returns them once
     num_cached_tokens: int = 0  # vLLM's start: an abort before any output reports 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 
@@ -220,7 +224,9 @@ class OutputProcessor:
             self._finish_request(state)
             if state.queue is not None:
                 state.metrics.finished_time = time.time()
-                state.queue.put(self._make_request_output(state, FinishReason.ABORT, None))
+                final = self._make_request_output(state, FinishReason.ABORT, None)
+                if final is not None:  # None: a FINAL_ONLY parent's other children still run
+                    state.queue.put(final)
             to_abort.append(request_id)
         return to_abort
 
@@ -297,54 +303,98 @@ class OutputProcessor:
             if finish_reason is not None:
                 metrics.finished_time = now
                 self._finish_request(state)
-            request_output = self._make_request_output(state, finish_reason, stop_reason)
+            request_output = self._make_request_output(
+                state, finish_reason, stop_reason, output.new_token_ids
+            )
+            if request_output is None:
+                continue  # FINAL_ONLY, not finished
             if state.queue is not None:
                 state.queue.put(request_output)
             request_outputs.append(request_output)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
     def _make_request_output(
-        self, state: RequestState, finish_reason: FinishReason | None, stop_reason: int | str | None
-    ) -> RequestOutput:
+        self,
+        state: RequestState,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        new_token_ids: list[int] = (),
+    ) -> RequestOutput | None:
         """The user's view: under the user's id, an n > 1 parent's
-        completions merged."""
+        completions merged; None where `output_kind` wants none yet.
+
+        CUMULATIVE: everything so far. FINAL_ONLY: None until the request
+        (all of a parent's children) has finished. DELTA: the text,
+        `new_token_ids` and their logprobs, the prompt logprobs once; a
+        parent's other children appear with nothing new (their finish
+        reasons kept), so that adding up a stream's deltas by `index`
+        gives each completion whole. (vLLM's streamed output of a parent
+        holds the child that moved alone.)"""
+        kind = state.params.output_kind
         finished = finish_reason is not None
-        detok = state.detokenizer
-        completion = CompletionOutput(
-            index=state.index,
-            text=detok.get_next_output_text(finished),
-            token_ids=list(detok.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob
-            if state.params.logprobs is not None
-            else None,
-            logprobs=list(detok.output_logprobs) if state.params.logprobs is not None else None,
-            finish_reason=str(finish_reason) if finished else None,
-            stop_reason=stop_reason,
-        )
-        prompt_logprobs = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
         parent = state.parent
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = self._completion(state, finish_reason, stop_reason, new_token_ids)
+        prompt_logprobs = state.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:
+            prompt_logprobs = None if state.prompt_logprobs_returned else prompt_logprobs or None
+            state.prompt_logprobs_returned |= prompt_logprobs is not None
+        if prompt_logprobs is not None:
+            prompt_logprobs = list(prompt_logprobs)
         if parent is None:
-            return RequestOutput(
-                state.external_req_id,
-                state.prompt,
-                list(state.prompt_token_ids),
-                prompt_logprobs,
-                [completion],
-                finished,
-                state.metrics,
-                state.num_cached_tokens,
-            )
-        parent.completions[state.index] = completion
+            completions = [completion]
+        else:
+            parent.completions[state.index] = completion
+            if kind == RequestOutputKind.FINAL_ONLY and not parent.finished:
+                return None
+            completions = [
+                c if i == state.index or kind != RequestOutputKind.DELTA else _nothing_new(c)
+                for i, c in sorted(parent.completions.items())
+            ]
         return RequestOutput(
-            parent.external_req_id,
+            state.external_req_id if parent is None else parent.external_req_id,
             state.prompt,
             list(state.prompt_token_ids),
             prompt_logprobs,
-            [parent.completions[i] for i in sorted(parent.completions)],
-            parent.finished,
+            completions,
+            finished if parent is None else parent.finished,
             state.metrics,
             state.num_cached_tokens,
         )
+
+    @staticmethod
+    def _completion(
+        state: RequestState,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        new_token_ids: list[int],
+    ) -> CompletionOutput:
+        """One request's completion: cumulative, or (DELTA) only what is new."""
+        finished = finish_reason is not None
+        detok = state.detokenizer
+        delta = state.params.output_kind == RequestOutputKind.DELTA
+        token_ids = list(new_token_ids) if delta else list(detok.output_token_ids)
+        logprobs = None
+        if state.params.logprobs is not None:
+            logprobs = detok.output_logprobs[len(detok.output_logprobs) - len(token_ids) :]
+        return CompletionOutput(
+            index=state.index,
+            text=detok.get_next_output_text(finished, delta),
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob
+            if state.params.logprobs is not None
+            else None,
+            logprobs=logprobs,
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason,
+        )
+
+
+def _nothing_new(completion: CompletionOutput) -> CompletionOutput:
+    """A DELTA completion of a child that did not move this step."""
+    empty_logprobs = None if completion.logprobs is None else []
+    return replace(completion, text="", token_ids=[], logprobs=empty_logprobs)
 
 
 def record_first_scheduling(metrics: RequestMetrics, events: list[EngineCoreEvent]) -> None:

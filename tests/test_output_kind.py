@@ -1,0 +1,217 @@
+"""`SamplingParams.output_kind`: what each `RequestOutput` holds (vLLM's
+`RequestOutputKind`), in both engines.
+
+The oracle is the same request run CUMULATIVE beside it, in the same engine
+and the same steps: three copies of one request (same prompt, same seed)
+step in lockstep, so at every step the DELTA copy's output must be exactly
+what the CUMULATIVE copy's output gained since its previous one (text,
+tokens and logprobs), and the FINAL_ONLY copy must say nothing until the
+step the others finish, then say what the CUMULATIVE copy says. A stop
+string cut from the middle of a first free run makes the text hold back its
+last characters while the request runs, and end the run early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import RequestOutputKind
+
+PROMPT = "Hello, my name is"
+KINDS = {"c": RequestOutputKind.CUMULATIVE, "d": RequestOutputKind.DELTA,
+         "f": RequestOutputKind.FINAL_ONLY}
+
+
+@pytest.fixture(scope="module", params=["classic", "v1"])
+def llm(request, tiny_model_dir):
+    return LLM(tiny_model_dir("llama"), block_size=8, use_v1=request.param == "v1")
+
+
+def stop_string(llm: LLM) -> str:
+    """Four characters from the middle of a free greedy run's text."""
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    text = out[0].outputs[0].text
+    middle = len(text) // 2
+    assert len(text) > 20, text
+    return text[middle : middle + 4]
+
+
+def run_lockstep(llm: LLM, **params) -> list[dict[str, list[RequestOutput]]]:
+    """Each step's outputs of the three copies, by copy ("c", "d", "f"). (V1
+    makes one output per child of an n > 1 request that moved.)"""
+    engine = llm.llm_engine
+    for rid, kind in KINDS.items():
+        engine.add_request(rid, PROMPT, SamplingParams(output_kind=kind, **params))
+    steps = []
+    while engine.has_unfinished_requests():
+        step: dict[str, list[RequestOutput]] = {}
+        for output in engine.step():
+            step.setdefault(output.request_id, []).append(output)
+        steps.append(step)
+    return steps
+
+
+def merged(outputs: list[RequestOutput]) -> dict[int, CompletionOutput]:
+    """A stream's completions by index, its deltas added up by hand."""
+    whole: dict[int, CompletionOutput] = {}
+    for output in outputs:
+        for c in output.outputs:
+            if c.index not in whole:
+                whole[c.index] = CompletionOutput(c.index, "", [], None, None if c.logprobs is None
+                                                  else [])
+            w = whole[c.index]
+            w.text += c.text
+            w.token_ids = w.token_ids + c.token_ids
+            if c.logprobs is not None:
+                w.logprobs = w.logprobs + c.logprobs
+            w.cumulative_logprob, w.finish_reason = c.cumulative_logprob, c.finish_reason
+            w.stop_reason = c.stop_reason
+    return whole
+
+
+def check_lockstep(steps: list[dict[str, list[RequestOutput]]]) -> None:
+    previous: dict[int, CompletionOutput] = {}
+    for step in steps:
+        assert ("c" in step) == ("d" in step), "DELTA outputs come when CUMULATIVE ones do"
+        if "c" not in step:
+            assert "f" not in step
+            continue
+        cumulative = step["c"][-1]  # the newest holds every completion so far
+        delta = merged(step["d"])  # the step's deltas, added up
+        assert step["d"][-1].finished == cumulative.finished
+        assert ("f" in step) == cumulative.finished, "FINAL_ONLY: only the last output"
+        for c in cumulative.outputs:
+            d = delta[c.index]
+            before = previous.get(c.index, CompletionOutput(c.index, "", [], None, []))
+            assert c.text.startswith(before.text) and d.text == c.text[len(before.text):]
+            assert d.token_ids == c.token_ids[len(before.token_ids):]
+            if c.logprobs is not None:
+                assert d.logprobs == c.logprobs[len(before.token_ids):]
+            assert (d.finish_reason, d.stop_reason) == (c.finish_reason, c.stop_reason)
+            previous[c.index] = c
+    last = steps[-1]
+    assert last["f"] == last["f"][-1:], "one final output"
+    assert last["f"][-1].outputs == last["c"][-1].outputs
+    assert last["f"][-1].prompt_logprobs == last["c"][-1].prompt_logprobs
+    whole = merged([o for s in steps for o in s.get("d", [])])
+    assert [whole[c.index] for c in last["c"][-1].outputs] == last["c"][-1].outputs
+
+
+def test_greedy_with_a_stop_string_and_logprobs(llm):
+    stop = stop_string(llm)
+    steps = run_lockstep(llm, temperature=0, max_tokens=30, stop=[stop], logprobs=2,
+                         prompt_logprobs=1)
+    final = steps[-1]["c"][-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    decode = llm.get_tokenizer().decode
+    running = [o.outputs[0] for s in steps[:-1] for o in s.get("c", [])]
+    assert any(len(c.text) < len(decode(c.token_ids)) for c in running), "no text held back"
+    check_lockstep(steps)
+    delta_prompts = [o.prompt_logprobs for s in steps for o in s.get("d", [])]
+    assert sum(p is not None for p in delta_prompts) == 1, "DELTA: prompt logprobs once"
+
+
+def test_two_seeded_samples_and_a_length_limit(llm):
+    steps = run_lockstep(llm, n=2, temperature=0.9, seed=7, max_tokens=12, logprobs=1,
+                         ignore_eos=True)
+    final = steps[-1]["c"][-1]
+    assert [c.finish_reason for c in final.outputs] == ["length", "length"]
+    assert final.outputs[0].token_ids != final.outputs[1].token_ids
+    check_lockstep(steps)
+
+
+def test_generate_asks_for_final_outputs_only(llm):
+    """`LLM.generate` builds no output before a request finishes (each step
+    returns the finished ones only), leaves the caller's parameters as they
+    were, and returns what a CUMULATIVE request ends with."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    seen: list[list[RequestOutput]] = []
+    step = llm.llm_engine.step
+
+    def watched_step():
+        outputs = step()
+        seen.append(outputs)
+        return outputs
+
+    llm.llm_engine.step = watched_step
+    try:
+        got = llm.generate([PROMPT, "Once upon"], params, use_tqdm=False)
+    finally:
+        del llm.llm_engine.step
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+    assert all(o.finished for outputs in seen for o in outputs)
+    assert sum(len(outputs) for outputs in seen) == 2
+    engine = llm.llm_engine
+    engine.add_request("x", PROMPT, params)
+    last = None
+    while engine.has_unfinished_requests():
+        last = next((o for o in engine.step() if o.request_id == "x"), last)
+    assert got[0].outputs == last.outputs
+
+
+def test_delta_needs_best_of_equal_to_n():
+    with pytest.raises(ValueError, match="best_of must equal n to use output_kind=DELTA"):
+        SamplingParams(n=1, best_of=2, temperature=1, output_kind=RequestOutputKind.DELTA)
+    with pytest.raises(TypeError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="DELTA")
+
+
+def test_a_slow_readers_deltas_are_added_up():
+    """RequestOutput.add, as V1's collector merges unread DELTA outputs."""
+    first = RequestOutput("r", "p", [1], None, [CompletionOutput(0, "ab", [5, 6], -1.0, None)],
+                          False)
+    held = first.outputs[0]
+    first.add(RequestOutput("r", "p", [1], None, [CompletionOutput(0, "c", [7], -2.0, None),
+                                                   CompletionOutput(1, "x", [9], -0.5, None)],
+                            True), aggregate=True)
+    assert first.finished
+    assert [(c.index, c.text, c.token_ids, c.cumulative_logprob) for c in first.outputs] == [
+        (0, "abc", [5, 6, 7], -2.0), (1, "x", [9], -0.5)]
+    assert held.text == "ab", "the older completion object is left as it was"
+    first.add(RequestOutput("r", "p", [1], None, [CompletionOutput(0, "z", [1], -3.0, None)],
+                            True), aggregate=False)
+    assert first.outputs[0].text == "z"
+
+
+@pytest.mark.parametrize("engine_kind", ["classic", "v1"])
+def test_streams_of_each_kind_through_the_async_engines(tiny_model_dir, loop, engine_kind):
+    """A DELTA stream read slowly (V1's collector then adds up the deltas the
+    reader has not taken) adds up to the CUMULATIVE stream's last output;
+    a FINAL_ONLY stream is that one output."""
+    from minivllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from minivllm.engine.async_llm_engine import AsyncLLMEngine
+    from minivllm.v1.engine.async_llm import AsyncLLM
+
+    model = tiny_model_dir("llama")
+    if engine_kind == "v1":
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=model, use_v1=True, block_size=8))
+    else:
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=model, block_size=8))
+
+    def params(kind: RequestOutputKind) -> SamplingParams:
+        return SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=20, ignore_eos=True,
+                              logprobs=1, output_kind=kind)
+
+    async def run():
+        streams = {}
+        for rid, kind in KINDS.items():
+            streams[rid] = []
+            async for output in engine.generate(PROMPT, params(kind), rid):
+                streams[rid].append(output)
+                if kind == RequestOutputKind.DELTA:
+                    await asyncio.sleep(0.01)
+        return streams
+
+    try:
+        streams = loop.run_until_complete(run())
+    finally:
+        engine.shutdown()
+    final = streams["c"][-1]
+    assert final.finished and len(final.outputs) == 2
+    whole = merged(streams["d"])
+    assert [whole[c.index] for c in final.outputs] == final.outputs
+    assert len(streams["f"]) == 1 and streams["f"][0].outputs == final.outputs
