@@ -246,7 +246,12 @@ class PrometheusStatLogger:
     id (V1), and V1 aborts a request without a final output. The memory
     goes at the final output, or when the request's `RequestMetrics` is
     collected (an aborted request's, once the engine and the client drop
-    it), so nothing piles up whichever way a request ends.
+    it), so nothing piles up whichever way a request ends. Timed from the
+    outputs, these two histograms need every step's cumulative output: a
+    request with `output_kind` DELTA or FINAL_ONLY (which our server never
+    asks for) would be timed wrongly, or at its first token alone. vLLM
+    times tokens from the scheduled groups (v0.6's `_get_stats`) or the
+    engine core's outputs (V1's `IterationStats`), whatever the outputs hold.
 
     Each logger has its own registry (vLLM uses prometheus_client's global
     one), so several engines can live in one process, as in the tests.
