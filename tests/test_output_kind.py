@@ -40,12 +40,12 @@ def stop_string(llm: LLM) -> str:
     return text[middle : middle + 4]
 
 
-def run_lockstep(llm: LLM, **params) -> list[dict[str, list[RequestOutput]]]:
+def run_lockstep(llm: LLM, prompt: str = PROMPT, **params) -> list[dict[str, list[RequestOutput]]]:
     """Each step's outputs of the three copies, by copy ("c", "d", "f"). (V1
     makes one output per child of an n > 1 request that moved.)"""
     engine = llm.llm_engine
     for rid, kind in KINDS.items():
-        engine.add_request(rid, PROMPT, SamplingParams(output_kind=kind, **params))
+        engine.add_request(rid, prompt, SamplingParams(output_kind=kind, **params))
     steps = []
     while engine.has_unfinished_requests():
         step: dict[str, list[RequestOutput]] = {}
@@ -124,6 +124,71 @@ def test_two_seeded_samples_and_a_length_limit(llm):
     check_lockstep(steps)
 
 
+def test_children_that_finish_apart(llm):
+    """n=2, one child stopped by a stop string steps before the other: the
+    finished one's deltas stay empty (no logprobs sent twice), and the
+    parent's last DELTA output holds both children with their reasons. In
+    the classic engine only the first outputs carry the prompt."""
+    steps = run_lockstep(llm, "Once upon a time", n=2, temperature=1, seed=5, stop=["e"],
+                         logprobs=1, max_tokens=30)
+    reasons = [[c.finish_reason for c in s["c"][-1].outputs] for s in steps if "c" in s]
+    assert any(r.count(None) == 1 for r in reasons), f"the children finished together: {reasons}"
+    check_lockstep(steps)
+    last_delta = steps[-1]["d"][-1]
+    assert sorted(c.index for c in last_delta.outputs) == [0, 1]
+    assert None not in [c.finish_reason for c in last_delta.outputs]
+    if not llm.llm_engine.__class__.__module__.startswith("minivllm.v1"):
+        deltas = [o for s in steps for o in s.get("d", [])]
+        with_prompt = [o.prompt_token_ids is not None for o in deltas]
+        assert with_prompt[0] and not any(with_prompt[1:]), with_prompt
+
+
+@pytest.mark.parametrize("setting", ["recompute", "swap", "chunked"])
+def test_each_kind_alone_under_preemption_and_chunked_prefill(tiny_model_dir, setting):
+    """The same workload in three engines, one output kind each, in a cache
+    so small that requests are preempted (or with prompts prefilled in
+    chunks of 8 tokens): every request's deltas add up to its cumulative
+    output, and its one FINAL_ONLY output is that output."""
+    use_v1 = setting == "chunked"  # V1 chunks by default; it preempts by recompute
+    options = dict(block_size=8, max_model_len=96, use_v1=use_v1)
+    if setting == "chunked":
+        options.update(max_num_batched_tokens=16, max_num_seqs=2)
+    else:
+        options.update(num_gpu_blocks_override=10, preemption_mode=setting, swap_space=0.1)
+    prompts = [{"prompt_token_ids": [(11 * i + 7 * j) % 300 + 2 for j in range(n)]}
+               for i, n in enumerate([20, 9, 30, 14])]
+    finals, preempted = {}, []
+    for rid, kind in KINDS.items():
+        engine = LLM(tiny_model_dir("llama"), **options).llm_engine
+        if not use_v1:
+            schedule = engine.scheduler.schedule
+
+            def watched(schedule=schedule):
+                metadata, outputs = schedule()
+                preempted.extend(outputs.preempted)
+                return metadata, outputs
+
+            engine.scheduler.schedule = watched
+        for i, prompt in enumerate(prompts):
+            # (v0.6 preempts a group of several sequences by swapping only)
+            params = SamplingParams(n=1 + i % 2, temperature=1, seed=i, max_tokens=24,
+                                    ignore_eos=True, logprobs=1, output_kind=kind)
+            engine.add_request(str(i), prompt, params)
+        outputs: dict[str, list[RequestOutput]] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs.setdefault(output.request_id, []).append(output)
+        finals[rid] = outputs
+    if not use_v1:
+        modes = {mode.value for _, mode in preempted}
+        assert setting in modes, f"the cache should be tight enough to preempt: {modes}"
+    for i in map(str, range(len(prompts))):
+        cumulative = finals["c"][i][-1].outputs
+        whole = merged(finals["d"][i])
+        assert [whole[c.index] for c in cumulative] == cumulative
+        assert len(finals["f"][i]) == 1 and finals["f"][i][0].outputs == cumulative
+
+
 def test_generate_asks_for_final_outputs_only(llm):
     """`LLM.generate` builds no output before a request finishes (each step
     returns the finished ones only), leaves the caller's parameters as they
@@ -162,7 +227,7 @@ def test_delta_needs_best_of_equal_to_n():
 
 def test_a_slow_readers_deltas_are_added_up():
     """RequestOutput.add, as V1's collector merges unread DELTA outputs."""
-    first = RequestOutput("r", "p", [1], None, [CompletionOutput(0, "ab", [5, 6], -1.0, None)],
+    first = RequestOutput("r", "p", [1], [None], [CompletionOutput(0, "ab", [5, 6], -1.0, None)],
                           False)
     held = first.outputs[0]
     first.add(RequestOutput("r", "p", [1], None, [CompletionOutput(0, "c", [7], -2.0, None),
@@ -172,6 +237,7 @@ def test_a_slow_readers_deltas_are_added_up():
     assert [(c.index, c.text, c.token_ids, c.cumulative_logprob) for c in first.outputs] == [
         (0, "abc", [5, 6, 7], -2.0), (1, "x", [9], -0.5)]
     assert held.text == "ab", "the older completion object is left as it was"
+    assert first.prompt_logprobs == [None], "a later delta without them keeps them"
     first.add(RequestOutput("r", "p", [1], None, [CompletionOutput(0, "z", [1], -3.0, None)],
                             True), aggregate=False)
     assert first.outputs[0].text == "z"
@@ -194,7 +260,7 @@ def test_streams_of_each_kind_through_the_async_engines(tiny_model_dir, loop, en
 
     def params(kind: RequestOutputKind) -> SamplingParams:
         return SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=20, ignore_eos=True,
-                              logprobs=1, output_kind=kind)
+                              logprobs=1, prompt_logprobs=1, output_kind=kind)
 
     async def run():
         streams = {}
@@ -211,7 +277,9 @@ def test_streams_of_each_kind_through_the_async_engines(tiny_model_dir, loop, en
     finally:
         engine.shutdown()
     final = streams["c"][-1]
-    assert final.finished and len(final.outputs) == 2
+    assert final.finished and len(final.outputs) == 2 and final.prompt_logprobs
     whole = merged(streams["d"])
     assert [whole[c.index] for c in final.outputs] == final.outputs
+    sent = [o.prompt_logprobs for o in streams["d"] if o.prompt_logprobs is not None]
+    assert sent and sent[0] == final.prompt_logprobs, "the prompt logprobs reach a DELTA reader"
     assert len(streams["f"]) == 1 and streams["f"][0].outputs == final.outputs

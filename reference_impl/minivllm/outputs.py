@@ -57,8 +57,10 @@ class RequestOutput:
         `RequestOutputCollector` merges the outputs a slow reader has not
         taken). Completions are matched by `index`: with `aggregate` (DELTA
         outputs) their text, tokens and logprobs are appended, else the
-        newer replaces the older. New completion objects are made, never
-        changed in place: the older ones may be held elsewhere."""
+        newer replaces the older. Unlike vLLM's, new completion objects are
+        made, never changed in place (the older ones may be held elsewhere:
+        a V1 parent keeps its children's), and the newer output's metrics
+        and cached-token count are taken too."""
         self.finished = next_output.finished
         self.metrics = next_output.metrics
         self.num_cached_tokens = next_output.num_cached_tokens
@@ -96,7 +98,8 @@ class RequestOutput:
         By `output_kind`: None for an unfinished FINAL_ONLY request; for
         DELTA each completion holds only the text, tokens and logprobs new
         since the previous output, and the prompt comes with the outputs up
-        to the first that holds a token (v0.6's rule)."""
+        to the first that holds a token (v0.6's rule: a prompt prefilled in
+        chunks sends its prompt logprobs so far with each chunk's output)."""
         params = seq_group.sampling_params
         finished = seq_group.is_finished()
         if params.output_kind == RequestOutputKind.FINAL_ONLY and not finished:

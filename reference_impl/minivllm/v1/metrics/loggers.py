@@ -31,7 +31,9 @@ What V1 feeds, metric by metric (engine/metrics.py has the names):
     vllm:e2e_request_latency_seconds        completion by finish_reason, one latency
     vllm:time_to_first_token_seconds,       from the RequestOutputs, as on the classic
     vllm:time_per_output_token_seconds      engine, each engine-core request on its own
-                                            (with n > 1, each child: vLLM V1's rule)
+                                            (with n > 1, each child: vLLM V1's rule);
+                                            right for CUMULATIVE outputs only (what our
+                                            server asks for; PrometheusStatLogger)
     vllm:num_requests_swapped, vllm:cpu_cache_usage_perc
                                             always 0: V1 never swaps (it preempts by
                                             recompute) and has no CPU block pool
