@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 
 import pytest
@@ -23,7 +22,6 @@ from minivllm.engine.async_llm_engine import AsyncLLMEngine
 from minivllm.engine.metrics import PrometheusStatLogger, Stats
 from minivllm.entrypoints.openai import api_server
 from minivllm.entrypoints.openai.cli_args import make_arg_parser
-from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sequence import RequestMetrics
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -239,44 +237,40 @@ def test_server_forces_a_stats_log_while_it_runs(tiny_model_dir, monkeypatch):
 # -- V1 ------------------------------------------------------------------------------
 
 
-def output(request_id: str, metrics: RequestMetrics, num_tokens: int, now: float) -> RequestOutput:
-    """A running request's cumulative output after its token at `now`."""
-    if metrics.first_token_time is None:
-        metrics.first_token_time = now
-    metrics.last_token_time = now
-    completion = CompletionOutput(0, "", list(range(num_tokens)), None, None)
-    return RequestOutput(request_id, None, [1], None, [completion], False, metrics)
-
-
-def test_requests_are_timed_apart_and_forgotten_when_dropped():
-    """Two live requests share the id "a" (V1 allows it): each is timed on
-    its own. One is then aborted the V1 way, with no final output: once the
-    engine and the client drop it, the logger keeps nothing of it."""
-    prometheus = PrometheusStatLogger(labels={"model_name": "m"})
-    stats = Stats(
-        now=0.0, num_running=2, num_waiting=0, num_swapped=0, gpu_cache_usage=0.0,
-        cpu_cache_usage=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_preemptions=0,
-        prefix_cache_queries=0, prefix_cache_hits=0,
-    )
+def test_token_latencies_are_recorded_per_request_and_logged_from_stats():
+    """Two requests (V1 may give them the same id: the metrics objects, not
+    ids, tell them apart), their tokens at hand-picked times: each first
+    token is a TTFT from its arrival, each later step's a TPOT from the
+    request's previous token; the logger observes the Stats' lists."""
     first, second = RequestMetrics(arrival_time=10.0), RequestMetrics(arrival_time=11.0)
-    prometheus.log(stats, [output("a", first, 1, now=12.0)])  # TTFT 2 s
-    prometheus.log(stats, [output("a", second, 1, now=14.0), output("a", first, 2, now=14.5)])
-    prometheus.log(stats, [output("a", second, 2, now=15.0)])  # TPOT 1 s
+    steps: list[tuple[list[float], list[float]]] = []
+    for now, requests in ((12.0, [first]), (14.0, [second]), (14.5, [first]), (15.0, [second])):
+        ttfts, tpots = [], []
+        for metrics in requests:
+            metrics.record_token(now, ttfts, tpots)
+        steps.append((ttfts, tpots))
+    assert steps == [([2.0], []), ([3.0], []), ([], [2.5]), ([], [1.0])]
+    assert (first.first_token_time, first.last_token_time) == (12.0, 14.5)
 
-    # TTFTs: 12 - 10 and 14 - 11; TPOTs: 14.5 - 12 and 15 - 14.
+    prometheus = PrometheusStatLogger(labels={"model_name": "m"})
+    for ttfts, tpots in steps:
+        stats = Stats(
+            now=0.0, num_running=2, num_waiting=0, num_swapped=0, gpu_cache_usage=0.0,
+            cpu_cache_usage=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_preemptions=0,
+            prefix_cache_queries=0, prefix_cache_hits=0,
+            time_to_first_tokens_iter=ttfts, time_per_output_tokens_iter=tpots,
+        )
+        prometheus.log(stats, [])
     assert value(prometheus, "vllm:time_to_first_token_seconds_count") == 2
     assert value(prometheus, "vllm:time_to_first_token_seconds_sum") == 2.0 + 3.0
     assert value(prometheus, "vllm:time_per_output_token_seconds_count") == 2
     assert value(prometheus, "vllm:time_per_output_token_seconds_sum") == 2.5 + 1.0
-    assert len(prometheus._seen) == 2
-    del first, second  # both aborted: nothing holds them any more
-    gc.collect()
-    assert prometheus._seen == {}
 
 
-def test_v1_async_llm_keeps_nothing_of_aborted_requests(tiny_model_dir):
-    """Five clients hang up after their first output: the Prometheus
-    logger keeps no state of any of them. Prefix caching off: -1."""
+def test_v1_async_llm_times_the_first_token_of_aborted_requests(tiny_model_dir):
+    """Five clients hang up after their first output: five TTFTs, and no
+    TPOT is recorded for requests that make no further token. Prefix
+    caching off: -1."""
     from minivllm.v1.engine.async_llm import AsyncLLM
 
     async def main() -> PrometheusStatLogger:
@@ -299,8 +293,6 @@ def test_v1_async_llm_keeps_nothing_of_aborted_requests(tiny_model_dir):
         return prometheus
 
     prometheus = asyncio.run(main())
-    gc.collect()  # the engine and the clients are gone
-    assert prometheus._seen == {}
     assert value(prometheus, "vllm:time_to_first_token_seconds_count") == 5
     assert value(prometheus, "vllm:gpu_prefix_cache_hit_rate") == -1
 

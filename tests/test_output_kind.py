@@ -283,3 +283,24 @@ def test_streams_of_each_kind_through_the_async_engines(tiny_model_dir, loop, en
     sent = [o.prompt_logprobs for o in streams["d"] if o.prompt_logprobs is not None]
     assert sent and sent[0] == final.prompt_logprobs, "the prompt logprobs reach a DELTA reader"
     assert len(streams["f"]) == 1 and streams["f"][0].outputs == final.outputs
+
+
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
+def test_token_latencies_do_not_depend_on_the_output_kind(tiny_model_dir, use_v1):
+    """The engines time tokens as they add them (Stats' TTFT and TPOT lists,
+    which the server's Prometheus logger observes), not from the outputs:
+    one TTFT and max_tokens - 1 TPOTs per request, whichever kind it asked
+    for, though FINAL_ONLY has one output and DELTA's hold one token each."""
+    llm = LLM(tiny_model_dir("llama"), block_size=8, use_v1=use_v1, disable_log_stats=False)
+    engine = llm.llm_engine
+    for rid, kind in KINDS.items():
+        engine.add_request(rid, PROMPT, SamplingParams(temperature=0, max_tokens=7,
+                                                       ignore_eos=True, output_kind=kind))
+    ttfts, tpots = [], []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.stat_loggers.last_stats if use_v1 else engine.get_stats()
+        ttfts += stats.time_to_first_tokens_iter
+        tpots += stats.time_per_output_tokens_iter
+    assert len(ttfts) == 3 and len(tpots) == 3 * 6
+    assert all(t >= 0 for t in ttfts + tpots)

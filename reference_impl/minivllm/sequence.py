@@ -283,6 +283,18 @@ class RequestMetrics:
     time_in_queue: float | None = None
     finished_time: float | None = None
 
+    def record_token(self, now: float, ttfts: list[float], tpots: list[float]) -> None:
+        """A step gave the request tokens at `now`: its first token's time
+        since arrival goes to `ttfts`, a later step's gap since the
+        request's previous token (a wait after a preemption included) to
+        `tpots` (v0.6's TTFT and TPOT; the engines' stats carry them)."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+            ttfts.append(now - self.arrival_time)
+        else:
+            tpots.append(now - self.last_token_time)
+        self.last_token_time = now
+
 
 class SequenceGroup:
     """One request: its sequences, sampling parameters and timing."""
@@ -387,10 +399,6 @@ class SequenceGroup:
         if self.metrics.first_scheduled_time is None:
             self.metrics.first_scheduled_time = now
             self.metrics.time_in_queue = now - self.metrics.arrival_time
-
-    def maybe_set_first_token_time(self, now: float) -> None:
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
 
     def __repr__(self) -> str:
         """One short line, so that printing a scheduler queue (a deque of

@@ -131,6 +131,8 @@ class LLMEngine:
         self.stat_logger = StatLogger(log_interval=_LOCAL_LOGGING_INTERVAL_SEC, enabled=log_stats)
         # The last step's Stats (forced logs, `do_log_stats`, leave it be).
         self._step_stats: Stats | None = None
+        # The last processed step's (TTFTs, TPOTs): `_process_step` puts them in its Stats.
+        self._token_latencies: tuple[list[float], list[float]] = ([], [])
         self.step_observers: list[StepObserver] = []
         self.trace_writer: TraceWriter | None = None
         trace = trace or envs.MINIVLLM_TRACE
@@ -306,6 +308,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         request_outputs = self._process_model_outputs(output, scheduler_outputs, samples)
         self._step_stats = build_stats(self.scheduler, scheduler_outputs, seq_group_metadata_list)
+        ttfts, tpots = self._token_latencies
+        self._step_stats.time_to_first_tokens_iter = ttfts
+        self._step_stats.time_per_output_tokens_iter = tpots
         self.stat_logger.log(self._step_stats)
         return request_outputs
 
@@ -407,6 +412,9 @@ class LLMEngine:
         (seq_id, parent_seq_id, token) per sample: the sequence that received
         it (the parent itself, or a child just forked from it)."""
         now = time.time()
+        ttfts: list[float] = []  # the step's token latencies, for its Stats
+        tpots: list[float] = []
+        self._token_latencies = (ttfts, tpots)
         scheduled = scheduler_outputs.scheduled_seq_groups
         for scheduled_group, group_output in zip(scheduled, output, strict=True):
             seq_group = scheduled_group.seq_group
@@ -419,8 +427,7 @@ class LLMEngine:
                     samples.append((seq.seq_id, sample.parent_seq_id, sample.output_token))
                 self._process_sample(seq_group, seq, sample)
             if group_output.samples:
-                seq_group.maybe_set_first_token_time(now)
-            seq_group.metrics.last_token_time = now
+                seq_group.metrics.record_token(now, ttfts, tpots)
         self.scheduler.free_finished_seq_groups()
 
         finished_now = [s.seq_group for s in scheduled] + scheduler_outputs.ignored_seq_groups

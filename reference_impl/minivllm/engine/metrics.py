@@ -20,7 +20,6 @@ import collections
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +56,14 @@ class Stats:
     scheduled groups: one reason per sequence (all `best_of` of them), one
     latency per request. A request the scheduler ignored, or one aborted,
     is in neither.
+
+    `time_to_first_tokens_iter` and `time_per_output_tokens_iter` (v0.6's
+    names) time the requests that got tokens in the step, whatever their
+    outputs hold (`output_kind`): a request's first token from its arrival,
+    and each later step's from the request's previous token, a wait in the
+    queue after a preemption included (`RequestMetrics.record_token`, as
+    the engines add the tokens; in V1 each engine-core request on its own,
+    so each child of an n > 1 request).
     """
 
     now: float
@@ -74,6 +81,8 @@ class Stats:
     num_generation_tokens: int = 0
     finished_reasons: list[str] = field(default_factory=list)
     time_e2e_requests: list[float] = field(default_factory=list)
+    time_to_first_tokens_iter: list[float] = field(default_factory=list)
+    time_per_output_tokens_iter: list[float] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -237,21 +246,9 @@ class PrometheusStatLogger:
     histogram each finished request's latency. An aborted request, or one
     the scheduler ignored, counts nowhere, as in vLLM.
 
-    The per-token histograms time each request from its outputs'
-    `RequestMetrics`: the first token (TTFT, from arrival) and each later
-    step that gave it a token (TPOT: the gap since its previous token). For
-    that the logger remembers each running request's last token, keyed by
-    the request's own `RequestMetrics` object (every output of a request
-    carries the same one), not by its id: two live requests may share an
-    id (V1), and V1 aborts a request without a final output. The memory
-    goes at the final output, or when the request's `RequestMetrics` is
-    collected (an aborted request's, once the engine and the client drop
-    it), so nothing piles up whichever way a request ends. Timed from the
-    outputs, these two histograms need every step's cumulative output: a
-    request with `output_kind` DELTA or FINAL_ONLY (which our server never
-    asks for) would be timed wrongly, or at its first token alone. vLLM
-    times tokens from the scheduled groups (v0.6's `_get_stats`) or the
-    engine core's outputs (V1's `IterationStats`), whatever the outputs hold.
+    The per-token histograms take the step's token latencies from `Stats`
+    (TTFT and TPOT, recorded by the engines as they add tokens), so they do
+    not depend on what the outputs hold (`output_kind`).
 
     Each logger has its own registry (vLLM uses prometheus_client's global
     one), so several engines can live in one process, as in the tests.
@@ -345,16 +342,18 @@ class PrometheusStatLogger:
             self.histogram_e2e_time_request,
         ):
             metric.labels(**labels)
-        # id(a request's RequestMetrics) -> what its last output showed
-        self._seen: dict[int, _LastOutput] = {}
 
     def log(self, stats: Stats, request_outputs: list[RequestOutput]) -> None:
+        """The step's `Stats`: everything is in them (the outputs are not read)."""
         self._log_gauges(stats)
         self._log_counters(stats)
+        labels = self.labels
         for e2e in stats.time_e2e_requests:
-            self.histogram_e2e_time_request.labels(**self.labels).observe(e2e)
-        for output in request_outputs:
-            self._log_token_latencies(output)
+            self.histogram_e2e_time_request.labels(**labels).observe(e2e)
+        for ttft in stats.time_to_first_tokens_iter:
+            self.histogram_time_to_first_token.labels(**labels).observe(ttft)
+        for tpot in stats.time_per_output_tokens_iter:
+            self.histogram_time_per_output_token.labels(**labels).observe(tpot)
 
     def _log_gauges(self, stats: Stats) -> None:
         labels = self.labels
@@ -372,41 +371,3 @@ class PrometheusStatLogger:
         self.counter_generation_tokens.labels(**labels).inc(stats.num_generation_tokens)
         for reason, count in collections.Counter(stats.finished_reasons).items():
             self.counter_request_success.labels(**labels, finished_reason=reason).inc(count)
-
-    def _log_token_latencies(self, output: RequestOutput) -> None:
-        """TTFT at a request's first output with a token, TPOT at each later
-        one that added tokens. A request aborted (finish_reason "abort")
-        is timed no further, as in vLLM."""
-        metrics = output.metrics
-        if metrics is None:
-            return
-        key = id(metrics)
-        last = self._seen.pop(key, None) if output.finished else self._seen.get(key)
-        if output.finished and last is not None:
-            last.finalizer.detach()
-        aborted = any(c.finish_reason == "abort" for c in output.outputs)
-        if metrics.first_token_time is None or aborted:
-            return
-        labels = self.labels
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        if last is None:
-            ttft = metrics.first_token_time - metrics.arrival_time
-            self.histogram_time_to_first_token.labels(**labels).observe(ttft)
-        elif num_tokens > last.num_tokens:
-            tpot = metrics.last_token_time - last.token_time
-            self.histogram_time_per_output_token.labels(**labels).observe(tpot)
-        if output.finished:
-            return
-        if last is None:  # forgotten when the request's metrics are collected
-            last = _LastOutput(weakref.finalize(metrics, self._seen.pop, key, None))
-            self._seen[key] = last
-        last.token_time, last.num_tokens = metrics.last_token_time, num_tokens
-
-
-@dataclass
-class _LastOutput:
-    """What the Prometheus logger remembers of a running request."""
-
-    finalizer: weakref.finalize
-    token_time: float = 0.0
-    num_tokens: int = 0

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def random_uuid() -> str:
@@ -201,6 +201,11 @@ class SamplingRequest(OpenAIBaseModel):
         kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.logit_bias is not None:
             kwargs["logit_bias"] = self._token_logit_bias()
+        if not self.stream:
+            # The answer is built from the final output alone (vLLM's choice).
+            # A stream asks for cumulative outputs and sends their differences
+            # itself, where vLLM's asks for DELTA outputs.
+            kwargs["output_kind"] = RequestOutputKind.FINAL_ONLY
         return kwargs
 
     def _token_logit_bias(self) -> dict[int, float]:

@@ -261,7 +261,7 @@ async def output_handler(
             iteration_stats = iteration_stats_of(outputs.outputs, output_processor.request_states)
             # Each RequestOutput goes into its request's queue; outputs of
             # requests ended meanwhile (by internal id) are dropped.
-            processed = output_processor.process_outputs(outputs.outputs)
+            processed = output_processor.process_outputs(outputs.outputs, iteration_stats)
             await engine_core.abort_requests_async(processed.reqs_to_abort)
             stat_loggers.record(outputs.scheduler_stats, iteration_stats, processed.request_outputs)
             if processed.reqs_to_abort and not output_processor.has_unfinished_requests():

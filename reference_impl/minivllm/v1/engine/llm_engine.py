@@ -280,7 +280,7 @@ class LLMEngine:
         if self.stat_loggers is not None:  # before the processor marks first tokens
             states = self.output_processor.request_states
             iteration_stats = iteration_stats_of(outputs.outputs, states)
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs.outputs, iteration_stats)
         if outputs.scheduler_stats is not None:
             self.total_scheduled_tokens += outputs.scheduler_stats.num_scheduled_tokens
             self.total_preemptions += outputs.scheduler_stats.num_preempted_reqs

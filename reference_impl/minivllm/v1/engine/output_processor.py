@@ -35,6 +35,7 @@ from minivllm.v1.engine import (
     FinishReason,
 )
 from minivllm.v1.engine.detokenizer import IncrementalDetokenizer
+from minivllm.v1.metrics.stats import IterationStats
 
 
 class RequestOutputCollector:
@@ -265,8 +266,15 @@ class OutputProcessor:
         self.parent_requests.clear()
         self.external_req_ids.clear()
 
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(
+        self,
+        engine_core_outputs: list[EngineCoreOutput],
+        iteration_stats: IterationStats | None = None,
+    ) -> OutputProcessorOutput:
+        """The step's `RequestOutput`s; `iteration_stats`, if given, gets the
+        token latencies (TTFT, TPOT) of the requests that got tokens."""
         now = time.time()
+        stats = IterationStats() if iteration_stats is None else iteration_stats
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         for output in engine_core_outputs:
@@ -276,9 +284,10 @@ class OutputProcessor:
             metrics = state.metrics
             if output.events and metrics.first_scheduled_time is None:
                 record_first_scheduling(metrics, output.events)
-            if metrics.first_token_time is None and output.new_token_ids:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
+            if output.new_token_ids:
+                metrics.record_token(
+                    now, stats.time_to_first_tokens_iter, stats.time_per_output_tokens_iter
+                )
             state.num_cached_tokens = output.num_cached_tokens
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             stop_str = state.detokenizer.update(

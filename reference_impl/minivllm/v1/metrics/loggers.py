@@ -29,11 +29,10 @@ What V1 feeds, metric by metric (engine/metrics.py has the names):
     vllm:generation_tokens_total            IterationStats: the new tokens of the outputs
     vllm:request_success_total,             each finished request's output: one per
     vllm:e2e_request_latency_seconds        completion by finish_reason, one latency
-    vllm:time_to_first_token_seconds,       from the RequestOutputs, as on the classic
-    vllm:time_per_output_token_seconds      engine, each engine-core request on its own
-                                            (with n > 1, each child: vLLM V1's rule);
-                                            right for CUMULATIVE outputs only (what our
-                                            server asks for; PrometheusStatLogger)
+    vllm:time_to_first_token_seconds,       IterationStats: the OutputProcessor's, as
+    vllm:time_per_output_token_seconds      it adds tokens, each engine-core request on
+                                            its own (with n > 1, each child: vLLM V1's
+                                            rule), whatever the outputs hold
     vllm:num_requests_swapped, vllm:cpu_cache_usage_perc
                                             always 0: V1 never swaps (it preempts by
                                             recompute) and has no CPU block pool
@@ -113,6 +112,8 @@ class StatLoggerManager:
             prefix_cache_hits=self.prefix_cache_hits,
             enable_prefix_caching=self.enable_prefix_caching,
             num_generation_tokens=iteration_stats.num_generation_tokens,
+            time_to_first_tokens_iter=list(iteration_stats.time_to_first_tokens_iter),
+            time_per_output_tokens_iter=list(iteration_stats.time_per_output_tokens_iter),
         )
         for output in request_outputs:
             add_finished_request(stats, output)

@@ -67,13 +67,16 @@ class SchedulerStats:
 
 @dataclass
 class IterationStats:
-    """What the front end counts of one step's outputs (the token counts and
-    preemptions of vLLM's `IterationStats`; the request timings are in each
-    output's `RequestMetrics`)."""
+    """What the front end counts of one step's outputs (vLLM's
+    `IterationStats`): token counts, preemptions, and the token latencies
+    the `OutputProcessor` records as it adds the tokens (TTFT, and TPOT
+    where vLLM's V1 has inter-token latencies: the same gaps)."""
 
     num_prompt_tokens: int = 0  # prompts of the requests that got their first token
     num_generation_tokens: int = 0
     num_preempted_reqs: int = 0  # PREEMPTED events these outputs brought
+    time_to_first_tokens_iter: list[float] = field(default_factory=list)
+    time_per_output_tokens_iter: list[float] = field(default_factory=list)
 
     def update_from_output(self, num_new_tokens: int, is_prefilling: bool, prompt_len: int) -> None:
         """One request's output: its new tokens; its prompt, counted once,
