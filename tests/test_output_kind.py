@@ -304,3 +304,16 @@ def test_token_latencies_do_not_depend_on_the_output_kind(tiny_model_dir, use_v1
         tpots += stats.time_per_output_tokens_iter
     assert len(ttfts) == 3 and len(tpots) == 3 * 6
     assert all(t >= 0 for t in ttfts + tpots)
+
+
+def test_the_server_asks_for_deltas_when_it_streams():
+    """As vLLM's server: a stream takes DELTA outputs (ChoiceProgress adds
+    them up), a plain answer the final output only."""
+    from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    for stream, kind in ((True, RequestOutputKind.DELTA), (False, RequestOutputKind.FINAL_ONLY)):
+        completion = CompletionRequest(model="m", prompt="x", stream=stream)
+        chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                     stream=stream)
+        assert completion.to_sampling_params(20).output_kind == kind
+        assert chat.to_sampling_params(20).output_kind == kind

@@ -201,11 +201,11 @@ class SamplingRequest(OpenAIBaseModel):
         kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.logit_bias is not None:
             kwargs["logit_bias"] = self._token_logit_bias()
-        if not self.stream:
-            # The answer is built from the final output alone (vLLM's choice).
-            # A stream asks for cumulative outputs and sends their differences
-            # itself, where vLLM's asks for DELTA outputs.
-            kwargs["output_kind"] = RequestOutputKind.FINAL_ONLY
+        # vLLM's choice: a stream takes each step's news (DELTA), a plain
+        # answer is built from the final output alone.
+        kwargs["output_kind"] = (
+            RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        )
         return kwargs
 
     def _token_logit_bias(self) -> dict[int, float]:

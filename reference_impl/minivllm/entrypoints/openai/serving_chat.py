@@ -160,6 +160,7 @@ class OpenAIServingChat(OpenAIServing):
             async for output in with_first(first, results):
                 for completion in output.outputs:
                     state = progress[completion.index]
+                    completion = state.add(completion)
                     delta = state.advance(completion)
                     if delta is None:
                         continue

@@ -143,6 +143,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
                     state = progress.setdefault(index, ChoiceProgress())
+                    completion = state.add(completion)
                     delta = state.advance(completion)
                     if delta is None:
                         continue

@@ -17,7 +17,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from typing import TypeVar
 
@@ -292,11 +292,28 @@ class Delta:
 
 @dataclass
 class ChoiceProgress:
-    """What one streamed choice has sent so far."""
+    """One streamed choice: its output so far, gathered from the engine's
+    DELTA outputs (a stream asks for them, as vLLM's does), and what of it
+    has been sent."""
 
     num_chars: int = 0
     num_tokens: int = 0
     finished: bool = False
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+
+    def add(self, delta: CompletionOutput) -> CompletionOutput:
+        """The choice's whole output so far: `delta`'s text, tokens and
+        logprobs appended to the ones before (each added once, where a
+        cumulative output would copy them all at every step)."""
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.logprobs
+        return replace(delta, text=self.text, token_ids=self.token_ids, logprobs=self.logprobs)
 
     def advance(self, completion: CompletionOutput) -> Delta | None:
         """The delta to send for the choice's latest output; None if it has
