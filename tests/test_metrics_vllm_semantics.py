@@ -396,3 +396,38 @@ def test_v1_outputs_carry_the_time_a_request_first_left_the_queue(tiny_model_dir
         assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
     assert b.first_scheduled_time > a.finished_time
     assert a.time_in_queue < a.finished_time - a.first_scheduled_time < b.time_in_queue
+
+
+@pytest.mark.parametrize("kind", ["CUMULATIVE", "DELTA"])
+def test_v1_streamed_n2_counts_each_request_once(tiny_model_dir, kind):
+    """AsyncLLM, one streamed request with n=2 (prefix caching off, so both
+    children prefill and finish in the same step), and a forced log in the
+    middle of it: 2 successes (one per
+    completion), 1 end-to-end latency, 2 TTFTs and 2 x 5 TPOTs (each child
+    timed as a request), however the reader's outputs are merged and
+    however often do_log_stats shows the last step again."""
+    from minivllm.sampling_params import RequestOutputKind
+    from minivllm.v1.engine.async_llm import AsyncLLM
+
+    async def main() -> PrometheusStatLogger:
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(model=tiny_model_dir("llama"), use_v1=True, block_size=8,
+                            enable_prefix_caching=False)
+        )
+        prometheus = PrometheusStatLogger(labels={"model_name": "m"})
+        engine.add_logger("prometheus", prometheus)
+        params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=6, ignore_eos=True,
+                                output_kind=RequestOutputKind[kind])
+        try:
+            async for output in engine.generate(prompt(20), params, "r"):
+                if not output.finished:
+                    await engine.do_log_stats()
+        finally:
+            engine.shutdown()
+        return prometheus
+
+    prometheus = asyncio.run(main())
+    assert value(prometheus, "vllm:request_success_total", finished_reason="length") == 2
+    assert value(prometheus, "vllm:e2e_request_latency_seconds_count") == 1
+    assert value(prometheus, "vllm:time_to_first_token_seconds_count") == 2
+    assert value(prometheus, "vllm:time_per_output_token_seconds_count") == 2 * 5

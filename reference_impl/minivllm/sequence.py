@@ -279,7 +279,7 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    last_token_time: float | None = None
+    last_token_time: float | None = None  # moves with tokens only (v0.6: set at arrival)
     time_in_queue: float | None = None
     finished_time: float | None = None
 

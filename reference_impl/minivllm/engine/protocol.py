@@ -101,7 +101,7 @@ class EngineClient(ABC):
         request_id: str,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Run one request: its cumulative outputs, the last `finished`.
+        """Run one request: its outputs (as its `output_kind` asks), the last `finished`.
         Closing the generator early (or cancelling its reader) aborts it."""
 
     @abstractmethod

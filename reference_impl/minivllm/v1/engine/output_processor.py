@@ -53,8 +53,12 @@ class RequestOutputCollector:
         self.ready = asyncio.Event()
 
     def put(self, output: RequestOutput | BaseException) -> None:
-        if self.output is None or isinstance(output, BaseException):
+        if isinstance(output, BaseException):
             self.output = output
+        elif self.output is None:
+            # A copy to merge into: the output itself is also the step's
+            # (the stat loggers read it after this).
+            self.output = replace(output, outputs=list(output.outputs))
         elif not isinstance(self.output, BaseException):
             self.output.add(output, aggregate=self.aggregate)
         self.ready.set()

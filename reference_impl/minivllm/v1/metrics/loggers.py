@@ -6,8 +6,9 @@ the front end's `IterationStats` (prompt and generated tokens, and the
 preemptions the outputs' events bring), with the step's `RequestOutput`s. From those it
 builds the classic engine's `Stats`, so the very loggers the classic engine
 feeds run unchanged on V1: the server's `PrometheusStatLogger` (vLLM's
-`vllm:` metric names, its request timings from each output's
-`RequestMetrics`) and the periodic throughput line (`StatLogger`).
+`vllm:` metric names; token latencies from `IterationStats`, end-to-end
+times from each finished output's `RequestMetrics`) and the periodic
+throughput line (`StatLogger`).
 
 What V1 feeds, metric by metric (engine/metrics.py has the names):
 
@@ -155,8 +156,8 @@ class StatLoggerManager:
         request_outputs: Iterable[RequestOutput],
     ) -> None:
         """One step's news, to every logger: every output the step made (a
-        request with n > 1 makes one per child that moved, each the
-        parent's cumulative output; only the last child's is finished)."""
+        request with n > 1 makes one per child that moved, each holding all
+        the parent's children; only the last child's is finished)."""
         request_outputs = list(request_outputs)
         stats = self.make_stats(scheduler_stats, iteration_stats, request_outputs)
         self._log(stats, request_outputs)
@@ -172,7 +173,8 @@ class StatLoggerManager:
         current = Stats(
             **{**vars(last), "now": time.time(), "num_prefill_tokens": 0,
                "num_decode_tokens": 0, "num_generation_tokens": 0, "num_preemptions": 0,
-               "finished_reasons": [], "time_e2e_requests": []}
+               "finished_reasons": [], "time_e2e_requests": [],
+               "time_to_first_tokens_iter": [], "time_per_output_tokens_iter": []}
         )
         self._log(current, [])
 
