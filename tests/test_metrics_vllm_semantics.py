@@ -431,3 +431,48 @@ def test_v1_streamed_n2_counts_each_request_once(tiny_model_dir, kind):
     assert value(prometheus, "vllm:e2e_request_latency_seconds_count") == 1
     assert value(prometheus, "vllm:time_to_first_token_seconds_count") == 2
     assert value(prometheus, "vllm:time_per_output_token_seconds_count") == 2 * 5
+
+
+def test_the_tpot_after_a_chunked_rebuild_counts_from_the_previous_token(
+    tiny_model_dir, monkeypatch
+):
+    """Two 4-token prompts, 20 tokens each, in 4 blocks of 8, chunks of at
+    most 8 tokens a step, on a clock that moves one second per step: b is
+    preempted (recompute) after its first tokens, and its rebuild (its
+    prompt and tokens so far, in chunks) takes steps without a token; its
+    next token's TPOT is the gap since its previous token, all of them
+    included (row 70). The oracle is the outputs: when each request's
+    token count grew."""
+    import minivllm.engine.llm_engine as llm_engine_module
+
+    clock = [0.0]
+    monkeypatch.setattr(llm_engine_module.time, "time", lambda: clock[0])
+    llm = LLM(
+        tiny_model_dir("llama"), block_size=8, num_gpu_blocks_override=4, swap_space=0.01,
+        preemption_mode="recompute", enable_chunked_prefill=True, max_num_batched_tokens=8,
+        max_num_seqs=2,
+    )
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    engine.add_request("a", prompt(4), params)
+    engine.add_request("b", prompt(4, start=40), params)
+    token_times: dict[str, list[float]] = {"a": [], "b": []}
+    counts = {"a": 0, "b": 0}
+    ttfts, tpots, preemptions = [], [], 0
+    while engine.has_unfinished_requests():
+        clock[0] += 1.0
+        for output in engine.step():
+            num_tokens = len(output.outputs[0].token_ids)
+            if num_tokens > counts[output.request_id]:
+                token_times[output.request_id].append(clock[0])
+                counts[output.request_id] = num_tokens
+        stats = engine.get_stats()
+        ttfts += stats.time_to_first_tokens_iter
+        tpots += stats.time_per_output_tokens_iter
+        preemptions += stats.num_preemptions
+    assert preemptions >= 1
+    want_tpots = [later - earlier for times in token_times.values()
+                  for earlier, later in zip(times, times[1:], strict=False)]
+    assert sorted(ttfts) == sorted(times[0] for times in token_times.values())
+    assert sorted(tpots) == sorted(want_tpots)
+    assert max(tpots) >= 3.0, "b's rebuild took several steps, all in its TPOT"

@@ -317,3 +317,30 @@ def test_the_server_asks_for_deltas_when_it_streams():
                                      stream=stream)
         assert completion.to_sampling_params(20).output_kind == kind
         assert chat.to_sampling_params(20).output_kind == kind
+
+
+def test_v1_abort_under_delta_sends_the_held_back_text_and_nothing_twice(tiny_model_dir):
+    """AsyncLLM's last output for an aborted DELTA request (the front end
+    alone makes it): the text the stop-string hold-back kept, no token, and
+    no logprob sent again (vLLM's [-num_new:] slice would send them all)."""
+    from minivllm.sequence import Logprob
+    from minivllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+    from minivllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+
+    tokenizer = LLM(tiny_model_dir("llama"), use_v1=True).get_tokenizer()
+    params = SamplingParams(logprobs=1, stop=["zzzz"], output_kind=RequestOutputKind.DELTA)
+    prompt_ids = tokenizer.encode(PROMPT)
+    request = EngineCoreRequest("a", prompt_ids, params, None, 0.0, external_req_id="a")
+    processor = OutputProcessor(tokenizer)
+    queue = RequestOutputCollector(params.output_kind, "a")
+    processor.add_request(request, PROMPT, queue=queue)
+    tokens = tokenizer.encode(" once upon a time", add_special_tokens=False)[:4]
+    logprobs = [{t: Logprob(-1.0)} for t in tokens]
+    processor.process_outputs([EngineCoreOutput("a", tokens, logprobs)])
+    running = queue.get_nowait().outputs[0]
+    assert running.token_ids == tokens and len(running.logprobs) == 4
+    processor.abort_requests(["a"])
+    final = queue.get_nowait().outputs[0]
+    assert final.finish_reason == "abort" and final.token_ids == [] and final.logprobs == []
+    assert running.text + final.text == tokenizer.decode(tokens)
+    assert final.text, "the hold-back kept the last characters until the end"
