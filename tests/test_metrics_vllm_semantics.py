@@ -267,19 +267,25 @@ def test_token_latencies_are_recorded_per_request_and_logged_from_stats():
     assert value(prometheus, "vllm:time_per_output_token_seconds_sum") == 2.5 + 1.0
 
 
+def v1_async_llm_with_prometheus(model: str):
+    """A V1 AsyncLLM (prefix caching off) with a Prometheus logger added;
+    made inside the event loop that will run it."""
+    from minivllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=model, use_v1=True, block_size=8, enable_prefix_caching=False)
+    )
+    prometheus = PrometheusStatLogger(labels={"model_name": "m"})
+    engine.add_logger("prometheus", prometheus)
+    return engine, prometheus
+
+
 def test_v1_async_llm_times_the_first_token_of_aborted_requests(tiny_model_dir):
     """Five clients hang up after their first output: five TTFTs, and no
     TPOT is recorded for requests that make no further token. Prefix
     caching off: -1."""
-    from minivllm.v1.engine.async_llm import AsyncLLM
-
     async def main() -> PrometheusStatLogger:
-        engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(model=tiny_model_dir("llama"), use_v1=True, block_size=8,
-                            enable_prefix_caching=False)
-        )
-        prometheus = PrometheusStatLogger(labels={"model_name": "m"})
-        engine.add_logger("prometheus", prometheus)
+        engine, prometheus = v1_async_llm_with_prometheus(tiny_model_dir("llama"))
         params = SamplingParams(max_tokens=50, **GREEDY)
         try:
             for i in range(5):
@@ -402,20 +408,13 @@ def test_v1_outputs_carry_the_time_a_request_first_left_the_queue(tiny_model_dir
 def test_v1_streamed_n2_counts_each_request_once(tiny_model_dir, kind):
     """AsyncLLM, one streamed request with n=2 (prefix caching off, so both
     children prefill and finish in the same step), and a forced log in the
-    middle of it: 2 successes (one per
-    completion), 1 end-to-end latency, 2 TTFTs and 2 x 5 TPOTs (each child
-    timed as a request), however the reader's outputs are merged and
-    however often do_log_stats shows the last step again."""
+    middle of it: 2 successes (one per completion), 1 end-to-end latency,
+    2 TTFTs and 2 x 5 TPOTs (each child timed as a request), however the
+    reader's outputs are merged and however often do_log_stats shows the
+    last step again."""
     from minivllm.sampling_params import RequestOutputKind
-    from minivllm.v1.engine.async_llm import AsyncLLM
-
     async def main() -> PrometheusStatLogger:
-        engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(model=tiny_model_dir("llama"), use_v1=True, block_size=8,
-                            enable_prefix_caching=False)
-        )
-        prometheus = PrometheusStatLogger(labels={"model_name": "m"})
-        engine.add_logger("prometheus", prometheus)
+        engine, prometheus = v1_async_llm_with_prometheus(tiny_model_dir("llama"))
         params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=6, ignore_eos=True,
                                 output_kind=RequestOutputKind[kind])
         try:
