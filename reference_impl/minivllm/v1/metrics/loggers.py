@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from minivllm.engine.metrics import StatLogger, Stats
 from minivllm.engine.protocol import StepStatLogger
@@ -113,8 +114,8 @@ class StatLoggerManager:
             prefix_cache_hits=self.prefix_cache_hits,
             enable_prefix_caching=self.enable_prefix_caching,
             num_generation_tokens=iteration_stats.num_generation_tokens,
-            time_to_first_tokens_iter=list(iteration_stats.time_to_first_tokens_iter),
-            time_per_output_tokens_iter=list(iteration_stats.time_per_output_tokens_iter),
+            time_to_first_tokens_iter=iteration_stats.time_to_first_tokens_iter,
+            time_per_output_tokens_iter=iteration_stats.time_per_output_tokens_iter,
         )
         for output in request_outputs:
             add_finished_request(stats, output)
@@ -168,13 +169,15 @@ class StatLoggerManager:
         self._log(self._idle_stats(), [])
 
     def log_current(self) -> None:
-        """The last stats again, with no outputs and no tokens (do_log_stats)."""
+        """The last step's state again, with nothing of a step (do_log_stats):
+        the scheduler's gauges copied onto idle stats, so every per-step
+        count and list stays empty, those added later too."""
         last = self.last_stats
-        current = Stats(
-            **{**vars(last), "now": time.time(), "num_prefill_tokens": 0,
-               "num_decode_tokens": 0, "num_generation_tokens": 0, "num_preemptions": 0,
-               "finished_reasons": [], "time_e2e_requests": [],
-               "time_to_first_tokens_iter": [], "time_per_output_tokens_iter": []}
+        current = replace(
+            self._idle_stats(),
+            num_running=last.num_running,
+            num_waiting=last.num_waiting,
+            gpu_cache_usage=last.gpu_cache_usage,
         )
         self._log(current, [])
 
