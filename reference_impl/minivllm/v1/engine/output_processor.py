@@ -20,7 +20,7 @@ import asyncio
 import copy
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -331,7 +331,7 @@ class OutputProcessor:
         state: RequestState,
         finish_reason: FinishReason | None,
         stop_reason: int | str | None,
-        new_token_ids: list[int] = (),
+        new_token_ids: Sequence[int] = (),
     ) -> RequestOutput | None:
         """The user's view: under the user's id, an n > 1 parent's
         completions merged; None where `output_kind` wants none yet.
@@ -381,7 +381,7 @@ class OutputProcessor:
         state: RequestState,
         finish_reason: FinishReason | None,
         stop_reason: int | str | None,
-        new_token_ids: list[int],
+        new_token_ids: Sequence[int],
     ) -> CompletionOutput:
         """One request's completion: cumulative, or (DELTA) only what is new."""
         finished = finish_reason is not None

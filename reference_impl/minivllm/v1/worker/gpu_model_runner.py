@@ -20,12 +20,13 @@ is V1's (v1/sample/sampler.py), built of the classic sampler's stages.
 
 On a GPU, unless `enforce_eager`, `capture_model` records the forward of
 each size in `cudagraph_batch_sizes` (current vLLM's default sizes, up to
-`max_num_seqs`) as a CUDA graph, as the classic runner does (worker/cuda_graph_runner.py), and a
-step whose every request computes one token ("uniform decode") is padded to
-the next captured size and replayed: vLLM V1's `FULL_DECODE_ONLY` mode.
-vLLM's default, `FULL_AND_PIECEWISE`, also replays the rest of every mixed
-step around attention from graphs captured piece by piece by its compiler;
-ours runs mixed steps eagerly.
+`max_num_seqs`) as a CUDA graph, as the classic runner does
+(worker/cuda_graph_runner.py), and a step whose every request computes one
+token ("uniform decode") is padded to the next captured size and replayed:
+vLLM V1's `FULL_DECODE_ONLY` mode. vLLM's default, `FULL_AND_PIECEWISE`,
+also replays the rest of every mixed step around attention from graphs
+captured piece by piece by its compiler; ours runs mixed steps eagerly.
+
 Our attention contract (attention/backends/abstract.py) wants requests with
 several new tokens (prefills, prompt chunks) before those with one (decodes);
 vLLM's backends that care want decodes first. Either way the runner swaps
