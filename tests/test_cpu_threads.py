@@ -76,11 +76,10 @@ def test_no_check_where_it_cannot_pay(two_threads, monkeypatch):
 
     monkeypatch.setattr(cpu_threads, "unquantized_gemm", must_not_run)
     layers = [FakeLayer()]
-    assert one_thread_max_tokens(layers, torch.device("cuda"), 0) == 0
-    assert one_thread_max_tokens([], torch.device("cpu"), 0) == 0
-    assert one_thread_max_tokens(layers, torch.device("cpu"), 3) == 0  # compiled
+    assert one_thread_max_tokens(layers, torch.device("cuda")) == 0
+    assert one_thread_max_tokens([], torch.device("cpu")) == 0
     torch.set_num_threads(1)
-    assert one_thread_max_tokens(layers, torch.device("cpu"), 0) == 0
+    assert one_thread_max_tokens(layers, torch.device("cpu")) == 0
 
 
 def product_costing(seconds_at: dict[int, float], perturb_alone: bool = False):
@@ -103,14 +102,14 @@ def test_threshold_follows_the_timed_products(two_threads, monkeypatch):
     # wake-ups): one thread wins up to 8 rows, loses from 16 (16 ms > 11.6).
     costs = {1: lambda rows: 1e-3 * rows, 2: lambda rows: 10e-3 + 1e-4 * rows}
     monkeypatch.setattr(cpu_threads, "unquantized_gemm", product_costing(costs))
-    assert one_thread_max_tokens([FakeLayer()], torch.device("cpu"), 0) == 8
+    assert one_thread_max_tokens([FakeLayer()], torch.device("cpu")) == 8
 
 
 def test_a_near_tie_keeps_the_pool(two_threads, monkeypatch):
     # One thread 1 % faster at every size: inside ONE_THREAD_MARGIN, so never.
     costs = {1: lambda rows: 9.9e-3, 2: lambda rows: 10e-3}
     monkeypatch.setattr(cpu_threads, "unquantized_gemm", product_costing(costs))
-    assert one_thread_max_tokens([FakeLayer()], torch.device("cpu"), 0) == 0
+    assert one_thread_max_tokens([FakeLayer()], torch.device("cpu")) == 0
 
 
 def test_other_bits_on_one_thread_mean_never(two_threads, monkeypatch):
@@ -119,7 +118,7 @@ def test_other_bits_on_one_thread_mean_never(two_threads, monkeypatch):
     monkeypatch.setattr(
         cpu_threads, "unquantized_gemm", product_costing(costs, perturb_alone=True)
     )
-    assert one_thread_max_tokens([FakeLayer()], torch.device("cpu"), 0) == 0
+    assert one_thread_max_tokens([FakeLayer()], torch.device("cpu")) == 0
 
 
 @pytest.mark.skipif(
@@ -132,7 +131,7 @@ def test_one_thread_gives_the_pools_bits_for_real_layers(two_threads, tiny_model
     llm = LLM(tiny_model_dir("llama"), kv_cache_memory_bytes=1 << 22)
     runner = llm.llm_engine.worker.model_runner
     assert runner.packed_layers
-    found = one_thread_max_tokens(runner.packed_layers, runner.device, 0)
+    found = one_thread_max_tokens(runner.packed_layers, runner.device)
     assert found in (0, *STEP_TOKENS_TRIED)
     # 0 could be a timing; the bits themselves must agree.
     g = torch.Generator().manual_seed(1)

@@ -5,7 +5,7 @@ What is compiled is `model.forward(input_ids, positions, kv_caches,
 attn_metadata)`, the same call the eager engine makes; `compute_logits` and
 the sampler stay eager, as in vLLM.
 
-Three rules keep it from recompiling every step:
+Four rules keep it from recompiling every step:
 
 - Attention is not traced. Under compilation each `Attention` layer calls one
   opaque op (`attention/layer.py::unified_attention`) that reads the step's
@@ -23,6 +23,15 @@ Three rules keep it from recompiling every step:
   guards never fail. The weights are inputs of the graph, and the backend is
   one per level (backends.py), so a second engine on a model of the same
   shapes runs the code compiled for the first.
+- From DYNAMO_ONCE up, the guard on torch's global state is dropped
+  (`without_global_state_guard`), as vLLM drops it (`_compilation_context`
+  in vllm/compilation/wrapper.py patches out `add_global_state_guard`).
+  That guard holds torch's thread count, and a CPU worker runs small steps
+  on one thread (worker/cpu_threads.py): kept, the first such step would
+  compile a second graph. Nothing compiled depends on the count: Inductor's
+  kernels are generated serial (backends.py), and the products and
+  attention, opaque ops, use whatever threads torch has when they run.
+  Grad mode has a guard of its own, which stays.
 
 vLLM's PIECEWISE level also *splits* the graph at the attention ops and
 compiles the pieces separately, so that each piece can be captured as a CUDA
@@ -42,6 +51,12 @@ from minivllm.compilation.counter import compilation_counter
 from minivllm.compilation.levels import CompilationLevel
 
 
+def without_global_state_guard(guards: list) -> list[bool]:
+    """TorchDynamo's `guard_filter_fn`: keep every guard but the one on
+    torch's global state (settings such as the thread count)."""
+    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
+
+
 class CompiledModel:
     """Calls `model.forward` through `torch.compile` at `level` (> 0).
 
@@ -56,10 +71,17 @@ class CompiledModel:
         self.model = model
         self.level = level
         self.dynamic_num_tokens = level >= CompilationLevel.DYNAMO_ONCE
-        # DYNAMO_AS_IS tolerates graph breaks, as vLLM's does; the higher
-        # levels want one graph, and a break is an error naming its cause.
+        # DYNAMO_AS_IS tolerates graph breaks and keeps every guard, as
+        # vLLM's stock torch.compile does; the higher levels want one graph,
+        # and a break is an error naming its cause.
+        options = None
+        if self.dynamic_num_tokens:
+            options = {"guard_filter_fn": without_global_state_guard}
         self.forward = torch.compile(
-            model.forward, backend=make_backend(level), fullgraph=self.dynamic_num_tokens
+            model.forward,
+            backend=make_backend(level),
+            fullgraph=self.dynamic_num_tokens,
+            options=options,
         )
 
     def __call__(

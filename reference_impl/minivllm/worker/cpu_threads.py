@@ -30,12 +30,11 @@ the worker times it once per model at load, on the model's own products
 sure one thread gives every product the bits the full pool gives it (the
 Numba kernels are written so that threads change no bit), so a sequence's
 tokens do not depend on whether its step ran on one thread or several.
-Tensor-parallel ranks keep their threads too (`Worker.load_model`): each
+Tensor-parallel ranks keep their threads (`Worker.load_model`): each
 would time its own threshold, and one rank switching alone would hold the
-others up at every all-reduce. A compiled model (`compilation_level` > 0)
-keeps the pool for every step: TorchDynamo guards on the thread count, so a
-switch would compile a second graph (about 15 s) and break the promise that
-one graph serves every step.
+others up at every all-reduce. A compiled model switches too: its graph
+carries no guard on the thread count (compilation/wrapper.py), so the
+switch compiles nothing.
 """
 
 from __future__ import annotations
@@ -90,20 +89,17 @@ def largest_one_thread_win(sizes: tuple[int, ...], faster_alone: Callable[[int],
     return best
 
 
-def one_thread_max_tokens(
-    layers: list[nn.Module], device: torch.device, compilation_level: int
-) -> int:
+def one_thread_max_tokens(layers: list[nn.Module], device: torch.device) -> int:
     """The most tokens a step may have and still run on one thread (0: never).
 
     Timed on `layers` (the model's packed linear layers, in order: a decode
     step's products), for each size of STEP_TOKENS_TRIED: every product on
     one thread and on the process's threads, best of 5, interleaved; one
     thread must be ONE_THREAD_MARGIN faster.
-    0 on a GPU, with one thread already, for a compiled model, without
-    packed layers, or where one thread gives any product other bits than
-    the pool."""
+    0 on a GPU, with one thread already, without packed layers, or where
+    one thread gives any product other bits than the pool."""
     threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or compilation_level or not layers:
+    if device.type != "cpu" or threads == 1 or not layers:
         return 0
     g = torch.Generator().manual_seed(0)
     inputs = {

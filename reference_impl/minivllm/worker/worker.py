@@ -102,9 +102,7 @@ class Worker:
         # time a threshold of its own, and a rank on one thread while the
         # others use more holds them up at every all-reduce.
         if self.parallel_config.world_size == 1:
-            self.one_thread_max_tokens = one_thread_max_tokens(
-                runner.packed_layers, self.device, self.model_config.compilation_level
-            )
+            self.one_thread_max_tokens = one_thread_max_tokens(runner.packed_layers, self.device)
         if self.one_thread_max_tokens:
             logger.info(
                 "steps of at most %d tokens run on one CPU thread, larger ones on %d "
