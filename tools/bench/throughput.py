@@ -74,6 +74,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from minivllm import LLM, SamplingParams
+from minivllm.v1.engine.llm_engine import resolve_multiprocess_mode
 from tools.bench.common import (
     BLOCK_SIZE,
     BenchRequest,
@@ -639,6 +640,8 @@ def run_throughput(
         "hf_cb_batch_sizes": sorted(key.sweep),
         "extra_runs": extra_runs,
         "engine": "V1" if use_v1 else "classic",
+        # Where V1's engine core ran (MINIVLLM_ENABLE_V1_MULTIPROCESSING).
+        "v1_multiprocess": use_v1 and resolve_multiprocess_mode(None),
     }
     sweep = {b: r.rates.values[0] for b, r in key.sweep.items()}
     return ThroughputResult(

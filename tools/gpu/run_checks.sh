@@ -6,6 +6,8 @@
 #   latency     one request, engine (CUDA graphs, then eager) against HF generate
 #   throughput  the benchmark workload in float16 against HF generate_batch and static
 #   v1          the same workload on V1 (CUDA graphs, then eager, alternated), HF at batch 64 only
+#   v1mp        v1 with V1's engine core in a process of its own (MINIVLLM_ENABLE_V1_MULTIPROCESSING=1,
+#               vLLM's default for LLM), so that output processing overlaps the next step
 # (default: the first five; V1 has not run on a GPU yet, so add v1 when time allows). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
 # $THROUGHPUT_ARGS replaces the throughput run's --repeats 3 (three, so that the median drops
 # HF's first static run, which on an H100 took about ten times its later ones).
@@ -59,6 +61,11 @@ for name in "${@:-kernels tests split latency throughput}"; do for s in $name; d
         timeout 300 python3 -m tools.bench.throughput --device cuda --dtype float16 --v1 \
             --repeats 2 --hf-cb-batch-sizes 64 --no-plot --json "$OUT/throughput_v1.json" \
             2>&1 | tee "$OUT/throughput_v1.log" | tail -30 ;;
+    v1mp)
+        section v1mp
+        MINIVLLM_ENABLE_V1_MULTIPROCESSING=1 timeout 300 python3 -m tools.bench.throughput \
+            --device cuda --dtype float16 --v1 --repeats 2 --hf-cb-batch-sizes 64 --no-plot \
+            --json "$OUT/throughput_v1mp.json" 2>&1 | tee "$OUT/throughput_v1mp.log" | tail -30 ;;
     *) echo "unknown section $s"; exit 2 ;;
     esac
 done; done
