@@ -8,7 +8,9 @@
 #   v1          the same workload on V1 (CUDA graphs, then eager, alternated), HF at batch 64 only
 #   v1mp        v1 with V1's engine core in a process of its own (MINIVLLM_ENABLE_V1_MULTIPROCESSING=1,
 #               vLLM's default for LLM), so that output processing overlaps the next step
-# (default: the first five; V1 has not run on a GPU yet, so add v1 when time allows). Logs and JSON results go to $OUT (default /tmp/minivllm-gpu);
+# (default: kernels tests v1 split latency, about 8 minutes: the classic engine's throughput ran
+# on two GPUs already, V1 on none; throughput and v1mp when time allows). Logs and JSON results
+# go to $OUT (default /tmp/minivllm-gpu);
 # $THROUGHPUT_ARGS replaces the throughput run's --repeats 3 (three, so that the median drops
 # HF's first static run, which on an H100 took about ten times its later ones).
 # Wheels in .whl/ are installed first, for a machine that reaches no package index. The lent
@@ -33,7 +35,7 @@ print('torch', torch.__version__, '| transformers', transformers.__version__, '|
 
 PYTEST=(python3 -m pytest -o addopts= -p no:cacheprovider -q -m cuda -W ignore::DeprecationWarning)
 section() { echo "== $1 ($(date +%T))"; }
-for name in "${@:-kernels tests split latency throughput}"; do for s in $name; do
+for name in "${@:-kernels tests v1 split latency}"; do for s in $name; do
     case $s in
     kernels)  # in parallel: NVRTC compiles each instantiation once per process
         section kernels
