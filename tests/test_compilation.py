@@ -204,6 +204,21 @@ def test_small_steps_on_one_thread_share_the_graph(tmp_path):
     assert compilation_counter.num_graphs_seen - before.num_graphs_seen == 1
 
 
+def test_a_second_engine_with_other_constants_compiles_its_own_graph(tmp_path):
+    """Only the global-state guard is dropped: the graph bakes in the
+    norms' epsilon, a Python float, and its guard sends a model of the same
+    shapes but another epsilon to a graph of its own, with its own tokens."""
+    level = CompilationLevel.DYNAMO_ONCE
+    first = make_tiny_model("llama", str(tmp_path / "a"), rms_norm_eps=1e-6)
+    second = make_tiny_model("llama", str(tmp_path / "b"), rms_norm_eps=0.5)
+    first_tokens = run_waves(make_llm(first, level))
+    before = compilation_counter.clone()
+    tokens = run_waves(make_llm(second, level))
+    assert compilation_counter.num_graphs_seen - before.num_graphs_seen == 1
+    assert tokens == run_waves(make_llm(second, CompilationLevel.NO_COMPILATION))
+    assert tokens != first_tokens
+
+
 def test_a_second_engine_reuses_the_graph_with_its_own_weights(tmp_path):
     """The weights are graph inputs: an engine on other weights of the same
     shapes runs the first one's compiled code, and gets its own tokens."""
