@@ -219,6 +219,21 @@ def test_a_second_engine_with_other_constants_compiles_its_own_graph(tmp_path):
     assert tokens != first_tokens
 
 
+def test_more_engines_than_torchs_default_recompile_limit_each_compile(tmp_path):
+    """TorchDynamo keeps 8 graphs of a function by default, then fails a
+    full-graph compile: ten engines on ten shapes of one model class each
+    get a graph of their own (RECOMPILE_LIMIT) and their eager tokens."""
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    before = compilation_counter.clone()
+    for i in range(10):
+        model_dir = make_tiny_model("llama", str(tmp_path / str(i)), intermediate_size=24 + 8 * i)
+        compiled = make_llm(model_dir, CompilationLevel.DYNAMO_ONCE).generate(prompt, params)
+        eager = make_llm(model_dir, CompilationLevel.NO_COMPILATION).generate(prompt, params)
+        assert compiled[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
+    assert compilation_counter.num_graphs_seen - before.num_graphs_seen == 10
+
+
 def test_a_second_engine_reuses_the_graph_with_its_own_weights(tmp_path):
     """The weights are graph inputs: an engine on other weights of the same
     shapes runs the first one's compiled code, and gets its own tokens."""

@@ -13,6 +13,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.engine.llm_engine import EngineDeadError
 from minivllm.v1.core.sched.scheduler import Scheduler as V1Scheduler
 from minivllm.v1.engine.detokenizer import IncrementalDetokenizer
+from minivllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from minivllm.v1.worker.gpu_model_runner import GPUModelRunner
 from tests.hf_oracle import GREEDY, MAX_TOKENS, assert_matches_hf, make_prompts
 from tools.tiny_models import ARCHS
@@ -116,6 +117,79 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model_dir):
     # The classic engine draws a seeded request's tokens the same way.
     classic = LLM(model, max_model_len=128).generate([prompts[3]], seeded, use_tqdm=False)
     assert classic[0].outputs[0].token_ids == alone
+
+
+def test_a_request_in_a_finished_ones_row_samples_by_its_own_parameters(
+    tiny_model_dir, monkeypatch
+):
+    """The runner keeps its sampling metadata while the same requests sample
+    from the same rows (`GPUModelRunner._step_sampling_metadata`). C arrives
+    as greedy A finishes, takes A's row, and the step samples the same rows
+    as the one before: only the batch's version tells the metadata apart.
+    Every request must sample as it does alone (seeded sampling does not
+    depend on the batch), and the metadata must have been reused in between,
+    or this would test nothing."""
+    llm = LLM(tiny_model_dir("llama"), use_v1=True, max_model_len=128)
+    params = {
+        "A": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        "B": SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        "C": SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=6, ignore_eos=True),
+    }
+    prompts = {name: {"prompt_token_ids": [5 + i, 9, 13 + i]} for i, name in enumerate(params)}
+    alone = {
+        name: llm.generate([prompts[name]], params[name], use_tqdm=False)[0].outputs[0].token_ids
+        for name in params
+    }
+    built: list[int] = []  # the steps that built their metadata
+    build, step = GPUModelRunner._sampling_metadata, [0]
+
+    def counting(self, *args):
+        built.append(step[0])
+        return build(self, *args)
+
+    monkeypatch.setattr(GPUModelRunner, "_sampling_metadata", counting)
+    engine, tokens = llm.llm_engine, {}
+    for name in "AB":
+        engine.add_request(name, prompts[name], params[name])
+    joined = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+            if out.request_id == "A" and out.finished:
+                engine.add_request("C", prompts["C"], params["C"])
+                joined = step[0] + 1
+        step[0] += 1
+    assert tokens == alone
+    assert joined in built  # C's first step built its own
+    assert len(built) < step[0] / 2  # and most steps reused the last one
+
+
+def test_the_batch_version_moves_exactly_when_a_row_changes_hands():
+    """`InputBatch.version`, what the runner's cached metadata is keyed on:
+    it moves when a request is added, removed, moved by `condense` or
+    swapped, and not when a row only grows by a token."""
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_num_blocks_per_req=4, block_size=4)
+
+    def state(req_id: str) -> CachedRequestState:
+        return CachedRequestState(req_id, [1, 2, 3], SamplingParams(), None, [1], 0, [])
+
+    versions = [batch.version]
+    for req_id in "abc":
+        batch.add_request(state(req_id))
+        versions.append(batch.version)
+    batch.append_token(0, 7)
+    versions.append(batch.version)  # a token: no change
+    batch.remove_request("a")
+    versions.append(batch.version)
+    batch.condense()  # c moves into a's row
+    versions.append(batch.version)
+    batch.swap_states(0, 1)
+    versions.append(batch.version)
+    batch.remove_request("x")  # not in the batch: no change
+    versions.append(batch.version)
+    moved = [b > a for a, b in zip(versions[:-1], versions[1:], strict=True)]
+    assert moved == [True, True, True, False, True, True, True, False]
+    assert batch.req_ids == ["b", "c"]
 
 
 def test_n_fans_out_into_children_seeded_seed_plus_index(tiny_model_dir):

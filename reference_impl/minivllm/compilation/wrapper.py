@@ -50,6 +50,14 @@ from minivllm.compilation.backends import make_backend
 from minivllm.compilation.counter import compilation_counter
 from minivllm.compilation.levels import CompilationLevel
 
+# Graphs TorchDynamo may keep for the model's forward before it gives up
+# (recompiling fails under `fullgraph`, falls back to eager otherwise). Its
+# default, 8, counts the graphs of every compiled engine in the process that
+# runs the same model class, at least one per model shape and level: a
+# notebook or a test session passes that. vLLM raises it to 2048 for the same reason
+# (`_compilation_context` in vllm/compilation/wrapper.py).
+RECOMPILE_LIMIT = 2048
+
 
 def without_global_state_guard(guards: list) -> list[bool]:
     """TorchDynamo's `guard_filter_fn`: keep every guard but the one on
@@ -82,6 +90,7 @@ class CompiledModel:
             backend=make_backend(level),
             fullgraph=self.dynamic_num_tokens,
             options=options,
+            recompile_limit=RECOMPILE_LIMIT,
         )
 
     def __call__(

@@ -59,6 +59,9 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size)
+        # Bumped whenever a row changes hands (a request added, removed,
+        # moved or swapped): what the runner's per-batch caches key on.
+        self.version = 0
 
     @property
     def num_reqs(self) -> int:
@@ -80,6 +83,7 @@ class InputBatch:
                 raise RuntimeError(f"the batch is full ({self.max_num_reqs} requests)")
             self._req_ids.append(None)
             self.req_states.append(None)
+        self.version += 1
         self._req_ids[row] = request.req_id
         self.req_states[row] = request
         self.req_id_to_index[request.req_id] = row
@@ -96,6 +100,7 @@ class InputBatch:
         """Free a request's row (a hole until `condense`); None if absent."""
         row = self.req_id_to_index.pop(req_id, None)
         if row is not None:
+            self.version += 1
             self._req_ids[row] = None
             self.req_states[row] = None
         return row
@@ -117,6 +122,7 @@ class InputBatch:
                 self.req_states.pop()
 
     def _move_row(self, src: int, tgt: int) -> None:
+        self.version += 1
         req_id = self._req_ids[src]
         self._req_ids[tgt], self.req_states[tgt] = req_id, self.req_states[src]
         self.req_id_to_index[req_id] = tgt
@@ -128,6 +134,7 @@ class InputBatch:
 
     def swap_states(self, i: int, j: int) -> None:
         """Exchange two rows (the runner's reordering)."""
+        self.version += 1
         ids, states = self._req_ids, self.req_states
         ids[i], ids[j] = ids[j], ids[i]
         states[i], states[j] = states[j], states[i]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -112,6 +112,10 @@ class GPUModelRunner:
             cache_config.block_size,
         )
         self.sampler = Sampler(seed=model_config.seed)
+        # The last step's sampling metadata, the (batch version, sampling
+        # rows) it was built for, and whether a row has min_tokens: reused
+        # while the batch and its sampling rows stay the same.
+        self._cached_sampling: tuple[tuple[int, bytes], SamplingMetadata, bool] | None = None
         self.requests: dict[str, CachedRequestState] = {}
         # Requests that want prompt logprobs and have not finished their
         # prompt: request id -> how many top tokens per position.
@@ -237,7 +241,9 @@ class GPUModelRunner:
             else:
                 state.block_ids.extend(new_block_ids)
             if req_id in cached.all_token_ids:
-                state.output_token_ids = cached.all_token_ids[req_id][len(state.prompt_token_ids) :]
+                # In place: the cached sampling metadata may hold this list.
+                all_token_ids = cached.all_token_ids[req_id]
+                state.output_token_ids[:] = all_token_ids[len(state.prompt_token_ids) :]
             row = batch.req_id_to_index.get(req_id)
             if row is None:
                 reqs_to_add.append(state)
@@ -379,8 +385,40 @@ class GPUModelRunner:
 
     def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray) -> list[int]:
         """One token per sampling row, by V1's sampler."""
-        metadata = self._sampling_metadata(sample_rows, logits.shape[-1])
+        metadata = self._step_sampling_metadata(sample_rows, logits.shape[-1])
         return self.sampler(logits, metadata).tolist()
+
+    def _step_sampling_metadata(
+        self, sample_rows: np.ndarray, vocab_size: int
+    ) -> SamplingMetadata:
+        """This step's sampling metadata: the last step's while the same
+        requests sample from the same rows, as vLLM keeps its batch's
+        sampling tensors until the batch changes (`InputBatch.refresh_metadata`).
+        Only the min_tokens bans move with the outputs: renewed each step
+        when some row has min_tokens. The output lists it holds are the
+        requests' own, which grow as tokens are appended."""
+        key = (self.input_batch.version, sample_rows.tobytes())
+        cached = self._cached_sampling
+        if cached is None or cached[0] != key:
+            metadata = self._sampling_metadata(sample_rows, vocab_size)
+            states = self.input_batch.req_states
+            has_min_tokens = any(states[row].sampling_params.min_tokens for row in sample_rows)
+            self._cached_sampling = key, metadata, has_min_tokens
+            return metadata
+        _, metadata, has_min_tokens = cached
+        if has_min_tokens:
+            return replace(metadata, min_tokens_banned=self._min_tokens_banned(sample_rows))
+        return metadata
+
+    def _min_tokens_banned(self, sample_rows: np.ndarray) -> list[list[int]]:
+        """Per sampling row, the tokens that would end it before its min_tokens."""
+        states = [self.input_batch.req_states[row] for row in sample_rows.tolist()]
+        return [
+            sorted(s.sampling_params.all_stop_token_ids)
+            if len(s.output_token_ids) < s.sampling_params.min_tokens
+            else []
+            for s in states
+        ]
 
     def _sampling_metadata(self, sample_rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
         """The sampling rows' parameters, gathered from their requests (vLLM
@@ -411,10 +449,7 @@ class GPUModelRunner:
             top_p=stage("top_p", 1.0),
             min_p=stage("min_p", 0.0),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            min_tokens_banned=[
-                sorted(p.all_stop_token_ids) if len(s.output_token_ids) < p.min_tokens else []
-                for p, s in zip(params, states, strict=True)
-            ],
+            min_tokens_banned=self._min_tokens_banned(sample_rows),
             allowed_token_ids=[p.allowed_token_ids for p in params],
             logit_bias=[p.logit_bias for p in params],
             bad_words_token_ids={
