@@ -222,12 +222,13 @@ def test_a_second_engine_with_other_constants_compiles_its_own_graph(tmp_path):
 def test_more_engines_than_torchs_default_recompile_limit_each_compile(tmp_path):
     """TorchDynamo keeps 8 graphs of a function by default, then fails a
     full-graph compile: ten engines on ten shapes of one model class each
-    get a graph of their own (RECOMPILE_LIMIT) and their eager tokens."""
+    get a graph of their own (RECOMPILE_LIMIT) and their eager tokens.
+    (Sizes no other test here compiles: this file runs in one process.)"""
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     before = compilation_counter.clone()
     for i in range(10):
-        model_dir = make_tiny_model("llama", str(tmp_path / str(i)), intermediate_size=24 + 8 * i)
+        model_dir = make_tiny_model("llama", str(tmp_path / str(i)), intermediate_size=36 + 4 * i)
         compiled = make_llm(model_dir, CompilationLevel.DYNAMO_ONCE).generate(prompt, params)
         eager = make_llm(model_dir, CompilationLevel.NO_COMPILATION).generate(prompt, params)
         assert compiled[0].outputs[0].token_ids == eager[0].outputs[0].token_ids

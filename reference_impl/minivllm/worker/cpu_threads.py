@@ -32,9 +32,10 @@ Numba kernels are written so that threads change no bit), so a sequence's
 tokens do not depend on whether its step ran on one thread or several.
 Tensor-parallel ranks keep their threads (`Worker.load_model`): each
 would time its own threshold, and one rank switching alone would hold the
-others up at every all-reduce. A compiled model switches too: its graph
-carries no guard on the thread count (compilation/wrapper.py), so the
-switch compiles nothing.
+others up at every all-reduce. A compiled model switches too: from
+DYNAMO_ONCE up its graph carries no guard on the thread count
+(compilation/wrapper.py), so the switch compiles nothing (DYNAMO_AS_IS keeps
+every guard and compiles a graph per thread count, as that level may).
 """
 
 from __future__ import annotations
