@@ -2,8 +2,9 @@
 (vLLM's `vllm/v1/sample/metadata.py`).
 
 vLLM keeps these values as tensors in the persistent batch, updated when a
-request joins or leaves it; our runner gathers them each step from the
-rows' requests (`GPUModelRunner._sampling_metadata`). A stage that no row
+request joins or leaves it; our runner gathers them from the rows' requests
+(`GPUModelRunner._sampling_metadata`) when the batch's rows change, and
+reuses them until then (`_step_sampling_metadata`). A stage that no row
 uses is None, so the sampler skips it (a sort of the vocabulary, the token
 counts of the penalties).
 """

@@ -241,9 +241,7 @@ class GPUModelRunner:
             else:
                 state.block_ids.extend(new_block_ids)
             if req_id in cached.all_token_ids:
-                # In place: the cached sampling metadata may hold this list.
-                all_token_ids = cached.all_token_ids[req_id]
-                state.output_token_ids[:] = all_token_ids[len(state.prompt_token_ids) :]
+                state.output_token_ids = cached.all_token_ids[req_id][len(state.prompt_token_ids) :]
             row = batch.req_id_to_index.get(req_id)
             if row is None:
                 reqs_to_add.append(state)
@@ -396,7 +394,9 @@ class GPUModelRunner:
         sampling tensors until the batch changes (`InputBatch.refresh_metadata`).
         Only the min_tokens bans move with the outputs: renewed each step
         when some row has min_tokens. The output lists it holds are the
-        requests' own, which grow as tokens are appended."""
+        requests' own, which grow as tokens are appended (a request whose
+        list is replaced, one back from preemption, comes back through
+        `InputBatch.add_request`, which moves the version)."""
         key = (self.input_batch.version, sample_rows.tobytes())
         cached = self._cached_sampling
         if cached is None or cached[0] != key:
