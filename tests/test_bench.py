@@ -154,26 +154,36 @@ def test_v1_step_cost_counts_only_full_decode_steps(tiny_model_dir):
     assert cost.total_us_per_seq >= max(cost.schedule_us_per_seq, cost.process_us_per_seq)
 
 
-def test_step_split_charges_each_part_its_own_time(tiny_model_dir):
-    """A sampler made 20 ms slower shows in `sampler`, not in `model` (which
-    is execute_model minus the sampler); the parts add up to the step, and
-    the engine's objects are as before once the timing is over."""
+@pytest.mark.parametrize("use_v1", [False, True], ids=["classic", "v1"])
+def test_step_split_charges_each_part_its_own_time(tiny_model_dir, use_v1):
+    """A sampler made 20 ms slower shows in `sampler`, and (V1) input
+    preparation made 20 ms slower in `prepare_inputs`, not in `model` (which
+    is execute_model minus those); the parts add up to the step, and the
+    engine's objects are as before once the timing is over."""
     import time
 
     from minivllm import LLM
+    from tools.bench.step_split import v1_engine_core
 
-    llm = LLM(tiny_model_dir("llama"), max_num_seqs=4)
-    engine = llm.llm_engine
-    sampler = engine.worker.model_runner.sampler
+    llm = LLM(tiny_model_dir("llama"), max_num_seqs=4, use_v1=use_v1, max_model_len=64)
+    engine, core = llm.llm_engine, v1_engine_core(llm)
+    scheduler = engine.scheduler if core is None else core.scheduler
+    runner = (engine.worker if core is None else core.model_executor.driver_worker).model_runner
+    sampler = runner.sampler
     slow = sampler.forward
     sampler.forward = lambda *a, **k: time.sleep(0.02) or slow(*a, **k)
     slowed = sampler.forward
+    if core is not None:
+        prepare = runner._prepare_inputs
+        runner._prepare_inputs = lambda *a: time.sleep(0.02) or prepare(*a)
     ms = decode_split(llm, batch=4, prompt_len=6, steps=3, sync=False)
     assert ms["sampler"] >= 20 > ms["model"] > 0
     assert min(ms[p] for p in ("schedule", "prepare_inputs", "process")) > 0
+    if core is not None:
+        assert ms["prepare_inputs"] >= 20
     assert ms["step"] == pytest.approx(sum(ms[p] for p in PARTS))
-    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
-    assert sampler.forward is slowed and "execute_model" not in vars(engine.worker.model_runner)
+    assert "step" not in vars(engine) and "schedule" not in vars(scheduler)
+    assert sampler.forward is slowed and "execute_model" not in vars(runner)
     assert not engine.has_unfinished_requests()
 
 

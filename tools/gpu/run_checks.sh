@@ -5,7 +5,8 @@
 #   split       where a batch-64 decode step's time goes (graphs and eager, the sampler synced or not)
 #   latency     one request, engine (CUDA graphs, then eager) against HF generate
 #   throughput  the benchmark workload in float16 against HF generate_batch and static
-#   v1          the same workload on V1 (CUDA graphs, then eager, alternated), HF at batch 64 only
+#   v1          the same workload on V1 (CUDA graphs, then eager, alternated), HF at batch 64 only,
+#               then where a V1 batch-64 decode step's time goes (step_split --v1)
 #   v1mp        v1 with V1's engine core in a process of its own (MINIVLLM_ENABLE_V1_MULTIPROCESSING=1,
 #               vLLM's default for LLM), so that output processing overlaps the next step
 # (default: kernels tests v1 split latency, about 8 minutes: the classic engine's throughput ran
@@ -62,7 +63,9 @@ for name in "${@:-kernels tests v1 split latency}"; do for s in $name; do
         section v1
         timeout 300 python3 -m tools.bench.throughput --device cuda --dtype float16 --v1 \
             --repeats 2 --hf-cb-batch-sizes 64 --no-plot --json "$OUT/throughput_v1.json" \
-            2>&1 | tee "$OUT/throughput_v1.log" | tail -30 ;;
+            2>&1 | tee "$OUT/throughput_v1.log" | tail -30
+        timeout 120 python3 -m tools.bench.step_split --device cuda --v1 2>&1 \
+            | tee "$OUT/split_v1.log" | tail -8 ;;
     v1mp)
         section v1mp
         MINIVLLM_ENABLE_V1_MULTIPROCESSING=1 timeout 300 python3 -m tools.bench.throughput \
