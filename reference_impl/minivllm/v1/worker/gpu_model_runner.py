@@ -112,10 +112,9 @@ class GPUModelRunner:
             cache_config.block_size,
         )
         self.sampler = Sampler(seed=model_config.seed)
-        # The last step's sampling metadata, the (batch version, sampling
-        # rows) it was built for, and whether a row has min_tokens: reused
-        # while the batch and its sampling rows stay the same.
-        self._cached_sampling: tuple[tuple[int, bytes], SamplingMetadata, bool] | None = None
+        # The last step's sampling metadata and the (batch version, sampling
+        # rows) it was built for: reused while those stay the same.
+        self._cached_sampling: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         self.requests: dict[str, CachedRequestState] = {}
         # Requests that want prompt logprobs and have not finished their
         # prompt: request id -> how many top tokens per position.
@@ -392,22 +391,21 @@ class GPUModelRunner:
         """This step's sampling metadata: the last step's while the same
         requests sample from the same rows, as vLLM keeps its batch's
         sampling tensors until the batch changes (`InputBatch.refresh_metadata`).
-        Only the min_tokens bans move with the outputs: renewed each step
-        when some row has min_tokens. The output lists it holds are the
-        requests' own, which grow as tokens are appended (a request whose
-        list is replaced, one back from preemption, comes back through
-        `InputBatch.add_request`, which moves the version)."""
+        Only the min_tokens bans move with the outputs: renewed while any
+        is in force (a ban, once lifted, stays lifted: the outputs only
+        grow). The output lists it holds are the requests' own, which grow
+        as tokens are appended (a request whose list is replaced, one back
+        from preemption, comes back through `InputBatch.add_request`, which
+        moves the version)."""
         key = (self.input_batch.version, sample_rows.tobytes())
         cached = self._cached_sampling
         if cached is None or cached[0] != key:
             metadata = self._sampling_metadata(sample_rows, vocab_size)
-            states = self.input_batch.req_states
-            has_min_tokens = any(states[row].sampling_params.min_tokens for row in sample_rows)
-            self._cached_sampling = key, metadata, has_min_tokens
-            return metadata
-        _, metadata, has_min_tokens = cached
-        if has_min_tokens:
-            return replace(metadata, min_tokens_banned=self._min_tokens_banned(sample_rows))
+        elif any(cached[1].min_tokens_banned):
+            metadata = replace(cached[1], min_tokens_banned=self._min_tokens_banned(sample_rows))
+        else:
+            return cached[1]
+        self._cached_sampling = key, metadata
         return metadata
 
     def _min_tokens_banned(self, sample_rows: np.ndarray) -> list[list[int]]:
