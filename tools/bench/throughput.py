@@ -522,12 +522,14 @@ def run_throughput(
         warm_up(llm, hf, requests)
         return llm
 
+    engine_name = f"{'V1' if use_v1 else 'engine'}, batch {max_num_seqs}"
+
     def key_runs() -> tuple[KeyRuns, int, LLM]:
         """The repeated runs, the engine's tokens per step (HF gets the same)
         and the engine."""
         llm = new_engine(use_v1, batch_kv)
         step_tokens = engine_step_tokens(llm)
-        name = f"{'V1' if use_v1 else 'engine'}, batch {max_num_seqs}"
+        name = engine_name
         if compilation_level:
             name += f", -O{compilation_level}"
         if device == "cuda":
@@ -578,7 +580,6 @@ def run_throughput(
     if device == "cuda" and not enforce_eager:
         # What the graphs buy: the same engine without them, runs alternated.
         eager_llm = new_engine(use_v1, batch_kv, eager=True)
-        engine_name = f"{'V1' if use_v1 else 'engine'}, batch {max_num_seqs}"
         graphs, eager = (
             engine_run(llm, requests, f"{engine_name}, CUDA graphs (pair)",
                        max_num_seqs, batch_kv),
