@@ -143,6 +143,8 @@ def test_sampling_params_refuse_wrong_types(kwargs, shown):
         {"seed": 2**64},
         {"seed": -(2**63) - 1},
         {"seed": 10**5000},  # the message must not try to print 5000 digits
+        # Not Unicode text: the tokenizer raised a TypeError when the request came.
+        {"bad_words": ["fine", "\ud800"]},
     ],
 )
 def test_sampling_params_refuse_non_finite_and_out_of_range(kwargs):
@@ -215,6 +217,9 @@ def test_request_id_must_be_a_string(llm, probe_ids):
         (5, ["prompt must be", "5"]),
         (None, ["prompt must be", "None"]),
         ([5, 6], ["prompt must be", "[5, 6]"]),
+        # A lone surrogate is no character: the tokenizer raised a TypeError.
+        ("Once \ud800", ["prompt must be valid Unicode text", "'Once \\ud800'", "character 5"]),
+        ({"prompt": "\udc80"}, ["'prompt' must be valid Unicode text", "character 0"]),
     ],
 )
 def test_bad_prompts_are_refused_naming_the_field(llm, probe_ids, prompt, words):

@@ -297,6 +297,29 @@ def test_refusals_name_the_field_the_request_sent(server, client):
     lone = {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}
     assert refused(chat, lone)["param"] == "messages"
     assert refused(("tokenize",), {"prompt": "\ud800"})["param"] == "prompt"
+    # Unicode checked in every text field a tokenizer reads (a TypeError
+    # from the tokenizer, a 500, before).
+    error = refused(chat, {**CHAT, "bad_words": ["fine", "\ud800"]})
+    assert error["param"] == "bad_words" and error["message"].startswith("bad_words[1]")
+    # NaN is valid to Python's JSON; clipped into [-100, 100] it became a ban.
+    assert refused(("v1", "completions"), {**COMPLETION, "logit_bias": {"5": float("nan")}})[
+        "param"
+    ] == "logit_bias"
+
+
+def test_an_error_that_quotes_a_lone_surrogate_is_still_sent(server):
+    """A 404 naming an unknown model quotes its name, which may hold a lone
+    surrogate: the error body escapes it (it once failed to encode, a 500
+    that also dropped the connection), and the connection serves on."""
+    body = json.dumps({**COMPLETION, "model": "\ud800"})  # escaped: "\\ud800"
+    with httpx.Client(timeout=30) as http:
+        response = http.post(server.url_for("v1", "completions"), content=body,
+                             headers={"content-type": "application/json"})
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == ("model", "model_not_found")
+        assert "\ud800" in error["message"]
+        assert http.post(server.url_for("v1", "completions"), json=COMPLETION).status_code == 200
 
 
 def test_empty_stream_options_ask_for_usage(server):

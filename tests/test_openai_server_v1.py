@@ -318,6 +318,10 @@ def test_refused_requests_are_400_naming_the_field(server, client, engine):
         expect_400(server, {**COMPLETION, field: value}, field)
     error = expect_400(server, {**COMPLETION, "stop_token_ids": [32000]}, "stop_token_ids")
     assert error["param"] == "stop_token_ids" and "outside the vocabulary" in error["message"]
+    # An n no batch holds, refused on both engines before anything is fanned
+    # out (V1 took an n of 2**63 and froze the server building its children).
+    error = expect_400(server, {**COMPLETION, "n": 2**63, "temperature": 1.0}, "n")
+    assert error["param"] == "n" and "max_num_seqs" in error["message"]
     best_of = {**COMPLETION, "best_of": 3, "temperature": 1.0}
     if engine == "v1":
         error = expect_400(server, best_of, "best_of")

@@ -134,3 +134,18 @@ def test_parallel_sampling_arguments_are_checked(tiny_model_dir):
         ValueError, match="best_of=5 sequences can never run together under max_num_seqs=4"
     ):
         llm.llm_engine.add_request("x", "hi", SamplingParams(n=2, best_of=5, temperature=1.0))
+
+
+def test_v1_caps_n_at_max_num_seqs_before_fanning_out(tiny_model_dir):
+    """V1 runs each of n completions as a request of its own; n is capped as
+    in the classic engine, and refused before any child is made (an n of
+    2**63 once froze the front end building its children). n = max_num_seqs
+    runs, all children at once."""
+    llm = LLM(tiny_model_dir("llama"), use_v1=True, max_num_seqs=4)
+    for n in (5, 2**63):
+        with pytest.raises(ValueError, match=f"n={n} must be at most max_num_seqs=4"):
+            llm.llm_engine.add_request("x", "hi", SamplingParams(n=n, temperature=1.0))
+    assert not llm.llm_engine.has_unfinished_requests()
+    params = SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=3)
+    (out,) = llm.generate("hi", params, use_tqdm=False)
+    assert sorted(c.index for c in out.outputs) == [0, 1, 2, 3]

@@ -31,6 +31,17 @@ def test_top_k_top_p_keep_the_same_tokens_as_hf(top_k, top_p):
     assert torch.equal(ours[kept], logits[kept])  # kept logits are untouched
 
 
+def test_a_row_that_keeps_all_is_untouched_by_its_batchs_truncation():
+    """top_p = 1 keeps every token, whatever the other rows ask: a token
+    whose float32 probability underflows to 0 keeps its logit (and so its
+    logprob) in a batch where another row truncates, as it does alone."""
+    logits = torch.tensor([[120.0, 0.0, -5.0, 3.0], [1.0, 2.0, 3.0, 4.0]])
+    assert logits[0].softmax(-1)[1:].eq(0).all()  # three probabilities underflow
+    out = apply_top_k_top_p(logits, None, torch.tensor([1.0, 0.5]))
+    assert torch.equal(out[0], logits[0])
+    assert torch.equal(out[1], torch.tensor([-torch.inf, -torch.inf, -torch.inf, 4.0]))
+
+
 def test_draw_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     g = torch.Generator().manual_seed(0)

@@ -16,6 +16,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.assets import DEFAULT_MODEL
+from minivllm.sampling_params import RequestOutputKind
 from minivllm.v1.engine.llm_engine import LLMEngine as V1LLMEngine
 
 PROMPT = "Once upon a time"
@@ -145,3 +146,31 @@ def test_a_running_request_holds_back_the_longest_stop_string_less_one(llm, free
     for text, n, finished in seen:
         full = text_of(llm, free_run[:n])
         assert text == (full if finished else full[:-5])
+
+
+def test_a_stop_string_completed_before_min_tokens_never_stops_the_request(llm, free_run):
+    """A stop string that a token before the min_tokens-th completes is
+    skipped then, and a later token's check must not find it either: only
+    text the new token completes is searched. (v0.6 searched from one
+    character earlier, so it matched there one token late, ended the request
+    and took back text it had already streamed.) Both engines run on to
+    max_tokens when the string does not come back."""
+    full = text_of(llm, free_run)
+    # The end of the text after token k - 1, found nowhere else in the run.
+    k, stop = next(
+        (k, stop)
+        for k in range(3, 10)
+        for stop in (text_of(llm, free_run[: k - 1])[-n:] for n in (1, 2, 3))
+        if stop.strip() and full.count(stop) == 1
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=k,
+                            stop=[stop], output_kind=RequestOutputKind.DELTA)
+    engine = llm.llm_engine
+    engine.add_request("late", PROMPT, params)
+    streamed, final = "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.outputs[0].text
+            final = out.outputs[0]
+    assert (final.finish_reason, final.stop_reason) == ("length", None)
+    assert streamed == full

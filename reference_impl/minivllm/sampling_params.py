@@ -20,6 +20,7 @@ from minivllm.utils import (
     check_float,
     check_int,
     check_seed,
+    check_text,
     is_int,
     show,
 )
@@ -338,7 +339,7 @@ class SamplingParams:
         blank = [w for w in words if not w.strip()]
         if blank:
             raise ValueError(f"bad_words must be words, not empty or blank strings, got {blank}")
-        return list(words)
+        return [check_text(f"bad_words[{i}]", word) for i, word in enumerate(words)]
 
     @property
     def sampling_type(self) -> SamplingType:

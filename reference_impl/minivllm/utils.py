@@ -192,6 +192,20 @@ def check_seed(value: object, allowed_prefix: str = "") -> int:
     return check_int("seed", value, low=-(2**63), high=2**64 - 1, allowed=allowed)
 
 
+def check_text(name: str, text: str) -> str:
+    """`text` if it is valid Unicode; else a ValueError naming `name`. A
+    Python string (and JSON) can hold a lone surrogate such as "\\ud800",
+    which is no character: UTF-8 cannot encode it and no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} must be valid Unicode text, got {show(text)}: {e.reason} "
+            f"at character {e.start}"
+        ) from None
+    return text
+
+
 def check_bool(name: str, value: object, allowed: str = "True or False") -> bool:
     """`value` if it is a bool: "no", None or 1 are not (a string is always
     true, which is how ignore_eos="no" used to mean yes)."""

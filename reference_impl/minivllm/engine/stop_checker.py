@@ -66,15 +66,19 @@ def check_stop_strings(
     `output_text`, else None (vLLM's function of the same name).
 
     Earlier text was searched on earlier steps, so each stop string is
-    looked for only from where it could overlap the new characters. The
-    strings are tried in the order given and the first found wins, as in
-    v0.6, even if another one ends earlier in the text (V1's twin,
-    v1/engine/detokenizer.py, takes the one that ends first).
+    looked for only where it would end in the new characters. (v0.6 starts
+    the search one character earlier, so a string that ended just before
+    them could match a step late: one completed before min_tokens, which
+    must not stop the request, ended it on the next token and cut text
+    already streamed. V1's twin starts where we do.) The strings are tried
+    in the order given and the first found wins, as in v0.6, even if another
+    one ends earlier in the text (V1's twin, v1/engine/detokenizer.py, takes
+    the one that ends first).
     """
     if not new_char_count:
         return None
     for stop_str in stop:
-        start = max(len(output_text) - new_char_count - len(stop_str), 0)
+        start = max(len(output_text) + 1 - new_char_count - len(stop_str), 0)
         index = output_text.find(stop_str, start)
         if index == -1:
             continue

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import ModelConfig, SchedulerConfig
 from minivllm.sampling_params import SamplingParams
-from minivllm.utils import WrongTypeError, check_float, check_int, is_int, show
+from minivllm.utils import WrongTypeError, check_float, check_int, check_text, is_int, show
 
 PromptType = str | dict
 
@@ -197,7 +197,7 @@ class InputPreprocessor:
         )
         where = f"Request {request_id!r}: "
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(check_text(f"{where}prompt", prompt))
         if not isinstance(prompt, dict):
             raise WrongTypeError(f"{where}prompt must be {forms}, got {show(prompt)}")
         unknown = sorted(map(str, set(prompt) - {"prompt_token_ids", "prompt", "cache_salt"}))
@@ -209,7 +209,7 @@ class InputPreprocessor:
         if "prompt_token_ids" not in prompt:
             if text is None:
                 raise ValueError(f"{where}prompt must be {forms}, got {show(prompt)}")
-            return text, self.tokenizer.encode(text)
+            return text, self.tokenizer.encode(check_text(f"{where}the prompt's 'prompt'", text))
         return text, self.check_token_ids(prompt["prompt_token_ids"], where)
 
     @staticmethod

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import os
 import uuid
@@ -213,8 +214,18 @@ async def _force_log(engine: EngineClient) -> None:
         await engine.do_log_stats()
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped. An error message may
+    quote what the client sent, a lone surrogate ("\\ud800") included, which
+    a JSON string can carry but UTF-8, Starlette's encoding, cannot: the
+    error response itself would fail (a 500 and a dropped connection)."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _error(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+    return _AsciiJSONResponse(error.to_response().model_dump(), status_code=error.status)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

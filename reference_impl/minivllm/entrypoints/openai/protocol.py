@@ -16,6 +16,7 @@ A sampling field sent as null takes its default, as in vLLM.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Literal
@@ -217,7 +218,9 @@ class SamplingRequest(OpenAIBaseModel):
                 raise ValueError(
                     f"logit_bias keys must be token ids (integers as strings), got {key!r}"
                 ) from None
-            bias[token_id] = min(100.0, max(-100.0, value))
+            if math.isnan(value):  # max(-100.0, nan) would make it a ban
+                raise ValueError(f"logit_bias values must be numbers, got NaN for token {key!r}")
+            bias[token_id] = min(100.0, max(-100.0, value))  # clipped, as vLLM does
         return bias
 
     @property

@@ -40,6 +40,7 @@ from minivllm.entrypoints.openai.protocol import (
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import PositionLogprobs
+from minivllm.utils import check_text
 
 T = TypeVar("T")
 
@@ -77,10 +78,10 @@ def error_type(status: HTTPStatus) -> str:
 
 def param_named_in(message: str, fields) -> str | None:
     """The request field a validation message starts with ("top_p must be
-    in (0, 1], got 2" -> "top_p"; "best_of=3 is ..." -> "best_of"), if it
-    is one of `fields`."""
+    in (0, 1], got 2" -> "top_p"; "best_of=3 is ..." -> "best_of";
+    "bad_words[1] must ..." -> "bad_words"), if it is one of `fields`."""
     words = message.split()
-    first = words[0].rstrip(":,").split("=")[0] if words else ""
+    first = words[0].rstrip(":,").split("=")[0].split("[")[0] if words else ""
     return first if first in fields else None
 
 
@@ -148,12 +149,9 @@ class OpenAIServing:
         a lone surrogate, "\\ud800", which no tokenizer takes) is a 400 naming
         the request's field, not an error inside the tokenizer."""
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise OpenAIError(
-                f"{param} is not valid Unicode text: {e.reason} at character {e.start}",
-                param=param,
-            ) from e
+            check_text(param, text)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from None
         return self.tokenizer.encode(text, **kwargs)
 
     def check_prompt_tokens(

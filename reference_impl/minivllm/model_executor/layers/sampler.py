@@ -217,6 +217,11 @@ def apply_top_k_top_p(
     if top_p is not None:  # drop the low tail whose total probability is <= 1 - top_p
         cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum_probs <= (1 - top_p).unsqueeze(-1)
+        # A row that keeps all (top_p = 1) drops nothing. Else its tokens
+        # whose float32 probability is 0 (cum_probs <= 0) would turn -inf,
+        # and its logprobs change, only when another row of the batch
+        # truncates (vLLM v0.6's mask does that).
+        drop &= (top_p < 1).unsqueeze(-1)
         drop[:, -1] = False  # the most likely token always stays
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)

@@ -32,6 +32,7 @@ from minivllm.v1.engine.output_processor import child_request_id
 class InputProcessor:
     def __init__(self, engine_config: EngineConfig, tokenizer) -> None:
         self.model_config = engine_config.model_config
+        self.max_num_seqs = engine_config.scheduler_config.max_num_seqs
         self.tokenizer = tokenizer
         self.eos_token_ids = get_eos_token_ids(tokenizer, self.model_config.local_path)
         self.input_preprocessor = InputPreprocessor(
@@ -69,6 +70,15 @@ class InputProcessor:
             raise ValueError(
                 f"Request {request_id!r}: best_of={params.best_of} is not supported by the V1 "
                 "engine (vLLM V1 removed it); use n, or the classic engine"
+            )
+        if params.n > self.max_num_seqs:
+            # vLLM V1 takes any n and fans it out into n requests at once. A
+            # larger n could run in turns, but an n of 2**63 froze our front
+            # end building its children: it is capped as the classic engine
+            # caps it (there the n sequences must run together).
+            raise ValueError(
+                f"Request {request_id!r}: n={params.n} must be at most max_num_seqs="
+                f"{self.max_num_seqs}, the requests the engine runs at once"
             )
         params = copy.deepcopy(params)
         eos_token_id = self.tokenizer.eos_token_id
