@@ -529,6 +529,15 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, llm):
     assert chunks[0].logprobs.text_offset == full.choices[0].logprobs.text_offset[:first]
     for j, chunk in enumerate(chunks[1:], start=1):
         assert chunk.logprobs.text_offset[0] == sum(len(c.text) for c in chunks[:j])
+    # A larger prompt_logprobs scores the prompt with more candidates, in the
+    # response's prompt_logprobs; the echoed positions still list at most
+    # logprobs + 1 tokens, as vLLM's (and OpenAI's) logprobs mean.
+    wide = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                     logprobs=k, temperature=0,
+                                     extra_body={"prompt_logprobs": 5})
+    assert max(len(p) for p in wide.choices[0].model_extra["prompt_logprobs"][1:]) > k + 1
+    tops = wide.choices[0].logprobs.top_logprobs[1:]
+    assert max(len(top) for top in tops) == k + 1
 
 
 def test_tokenize_and_detokenize(server, llm):

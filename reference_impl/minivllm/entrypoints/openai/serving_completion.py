@@ -11,6 +11,7 @@ without, the final outputs become one JSON body.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncGenerator
 
@@ -105,7 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._logprobs(token_ids, positions, 0)
+                    logprobs = self._logprobs(token_ids, positions, 0, request.logprobs)
                 choices.append(
                     CompletionResponseChoice(
                         index=prompt_index * (request.n or 1) + completion.index,
@@ -156,7 +157,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         # Offsets count the echoed prompt's text too.
                         echoed = len(prompts[prompt_index][0]) if request.echo else 0
                         offset = delta.first_char + echoed if delta.first_token else 0
-                        logprobs = self._logprobs(token_ids, positions, offset)
+                        logprobs = self._logprobs(token_ids, positions, offset, request.logprobs)
                     choice = CompletionResponseStreamChoice(
                         index=index,
                         text=text,
@@ -205,10 +206,18 @@ class OpenAIServingCompletion(OpenAIServing):
         return text, token_ids, positions
 
     def _logprobs(
-        self, token_ids: list[int], positions: list[PositionLogprobs | None], text_offset: int
+        self,
+        token_ids: list[int],
+        positions: list[PositionLogprobs | None],
+        text_offset: int,
+        num_top: int,
     ) -> CompletionLogProbs:
         """OpenAI's legacy logprobs of `token_ids`; a position without any
-        (a prompt's first token) is null, as in vLLM."""
+        (a prompt's first token) is null, as in vLLM. Each position lists at
+        most `num_top` + 1 tokens, the request's `logprobs` and the chosen
+        one, as vLLM's `_create_completion_logprobs` does: an echoed prompt
+        scored with a larger `prompt_logprobs` shows that many in the
+        response's `prompt_logprobs` only."""
         result = CompletionLogProbs()
         for token_id, position in zip(token_ids, positions, strict=True):
             if position is None:
@@ -218,13 +227,15 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 token = logprob_token(self.tokenizer, token_id, position)
                 result.token_logprobs.append(json_logprob(position[token_id].logprob))
-                result.top_logprobs.append(_top_logprobs(self.tokenizer, position))
+                result.top_logprobs.append(_top_logprobs(self.tokenizer, position, num_top + 1))
             result.tokens.append(token)
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result
 
 
-def _top_logprobs(tokenizer, position: PositionLogprobs) -> dict[str, float]:
+def _top_logprobs(tokenizer, position: PositionLogprobs, limit: int) -> dict[str, float]:
+    """The first `limit` entries of a position: the chosen token, then the
+    most likely ones (the sampler's order)."""
     return {logprob_token(tokenizer, t, position): json_logprob(lp.logprob)
-            for t, lp in position.items()}
+            for t, lp in itertools.islice(position.items(), limit)}
