@@ -173,6 +173,10 @@ def test_a_refused_request_fails_alone(model, offline):
             await anext(too_long)
         with pytest.raises(KeyError, match="Request good already exists."):
             engine.add_request("good", {"prompt_token_ids": [1]}, PARAMS[0])
+        # Refused naming the field (it was a bare "unhashable type" from the tracker).
+        for bad_id in (["good"], None):
+            with pytest.raises(TypeError, match="request_id must be a string"):
+                await anext(engine.generate({"prompt_token_ids": [1]}, PARAMS[0], bad_id))
         return engine, await good
 
     engine, good = asyncio.run(main())

@@ -68,6 +68,7 @@ from minivllm import envs
 from minivllm.engine.arg_utils import AsyncEngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.protocol import EngineClient, StepStatLogger
+from minivllm.inputs.preprocess import check_request_id
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -471,7 +472,9 @@ class AsyncLLMEngine(EngineClient):
     ) -> AsyncStream:
         """Queue a request for the loop (starting it if need be); the engine
         checks it at the next step, and a refusal (ValueError / TypeError)
-        comes out of the stream. An id in use raises KeyError now."""
+        comes out of the stream. An id in use raises KeyError now, one that
+        is not a string WrongTypeError (the tracker keys streams by it)."""
+        check_request_id(request_id)
         self._check_alive()
         if not self.is_running:
             self.start_background_loop()

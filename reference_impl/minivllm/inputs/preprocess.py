@@ -21,6 +21,13 @@ from minivllm.utils import WrongTypeError, check_float, check_int, check_text, i
 PromptType = str | dict
 
 
+def check_request_id(request_id: object) -> str:
+    """A request id must be a string: engines key their requests by it."""
+    if not isinstance(request_id, str):
+        raise WrongTypeError(f"request_id must be a string, got {show(request_id)}")
+    return request_id
+
+
 def get_eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str) -> set[int]:
     """The tokenizer's EOS plus any the generation config adds (Llama 3
     lists several), as Hugging Face `generate` stops on all of them."""
@@ -62,8 +69,7 @@ class InputPreprocessor:
         """The checks both engines make in `add_request` (vLLM's
         `_validate_model_inputs` and more); returns the prompt's text (if
         any) and token ids. Each engine adds its own checks after these."""
-        if not isinstance(request_id, str):
-            raise WrongTypeError(f"request_id must be a string, got {show(request_id)}")
+        check_request_id(request_id)
         if not isinstance(params, SamplingParams):
             raise WrongTypeError(
                 f"Request {request_id!r}: params must be a SamplingParams, got {show(params)}"
