@@ -184,6 +184,28 @@ def test_a_refused_request_fails_alone(model, offline):
     assert free_blocks_back(engine) and not engine.errored
 
 
+def test_a_request_on_another_loop_while_the_first_holds_the_engine_loop(model, offline):
+    """An event loop ended by asyncio.run cancels the engine's loop, and the
+    next request, on another event loop, starts a new one. An event loop
+    left (or closed) without cancelling its tasks keeps it as a pending task
+    that will never run again: a request on another event loop is then
+    refused at once, where it waited forever."""
+    engine = make_engine(model)
+    for request_id in ("run-1", "run-2"):
+        out = asyncio.run(collect(engine, 0, request_id))
+        assert out[-1].outputs[0].token_ids == offline[0].outputs[0].token_ids
+    first = asyncio.new_event_loop()
+    try:
+        out = first.run_until_complete(collect(engine, 0, "first"))
+        assert out[-1].outputs[0].token_ids == offline[0].outputs[0].token_ids
+        with pytest.raises(RuntimeError, match="still a task of another event loop"):
+            asyncio.run(collect(engine, 0, "second"))
+        engine.shutdown_background_loop()
+        first.run_until_complete(asyncio.sleep(0))  # the cancel reaches the loop
+    finally:
+        first.close()
+
+
 def test_a_failing_step_fails_every_request_and_kills_the_engine(model):
     """Fault injection: the model raises in the third step. Every request in
     flight, and one still queued, gets that error; none hangs; the engine

@@ -268,6 +268,17 @@ def test_a_killed_engine_core_fails_pending_and_later_requests():
         loop.close()
 
 
+def test_a_request_on_another_event_loop_is_refused_not_left_waiting(async_llm, loop, expected):
+    """The AsyncLLM serves the event loop it was first used on: its output
+    handler is a task there. A request from another event loop is refused
+    at once (it waited forever before), and the first loop still serves."""
+    loop.run_until_complete(collect(async_llm, PROMPTS[0], PARAMS[0], "home"))
+    with pytest.raises(RuntimeError, match="serves the event loop it was first used on"):
+        asyncio.run(collect(async_llm, PROMPTS[0], PARAMS[0], "away"))
+    again = loop.run_until_complete(collect(async_llm, PROMPTS[0], PARAMS[0], "home-again"))
+    assert summary(again[-1]) == expected[0]
+
+
 def test_shutdown_ends_waiting_requests_and_leaves_no_process_or_socket_file(async_llm, loop):
     """Last user of the module's AsyncLLM: shut it down with a request in flight."""
     resources = async_llm.engine_core.resources

@@ -308,6 +308,20 @@ class AsyncLLMEngine(EngineClient):
             "so the engine's queues and KV cache can no longer be trusted; restart the server."
         ) from cause
 
+    def _check_event_loop(self) -> None:
+        """Refuse a request on another event loop while the loop is still a
+        pending task of the first: that event loop will never run it again
+        (it was closed, or left, without cancelling its tasks, which
+        `asyncio.run` does), so the request would wait forever."""
+        task = self.background_loop
+        elsewhere = task is not None and task.get_loop() is not asyncio.get_running_loop()
+        if elsewhere and not task.done():
+            raise RuntimeError(
+                "the engine's loop is still a task of another event loop, which was closed or "
+                "left without cancelling its tasks: use one event loop, or end each with "
+                "asyncio.run (which cancels them) before the next"
+            )
+
     def get_tokenizer(self):
         return self.engine.get_tokenizer()
 
@@ -476,6 +490,7 @@ class AsyncLLMEngine(EngineClient):
         is not a string WrongTypeError (the tracker keys streams by it)."""
         check_request_id(request_id)
         self._check_alive()
+        self._check_event_loop()
         if not self.is_running:
             self.start_background_loop()
         return self._request_tracker.add_request(

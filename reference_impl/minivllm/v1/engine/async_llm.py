@@ -232,8 +232,16 @@ class AsyncLLM(EngineClient):
     def _run_output_handler(self) -> None:
         """Start the task that moves outputs from the engine core to the
         requests' queues (once; it runs until the engine core dies). It
-        holds what it needs, not `self`, so the AsyncLLM can be collected."""
+        holds what it needs, not `self`, so the AsyncLLM can be collected.
+        An AsyncLLM serves one event loop, as vLLM's: a request on another
+        is refused, since no output would ever reach it."""
         if self.output_handler is not None:
+            if self.output_handler.get_loop() is not asyncio.get_running_loop():
+                raise RuntimeError(
+                    "this AsyncLLM serves the event loop it was first used on; its output "
+                    "handler is a task there, so a request on another event loop would never "
+                    "get an output: make one AsyncLLM per event loop"
+                )
             return
         self.output_handler = asyncio.get_running_loop().create_task(
             output_handler(self.engine_core, self.output_processor, self.stat_loggers),
