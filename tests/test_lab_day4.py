@@ -175,14 +175,16 @@ def test_exercise_3_passes(answer, capsys):
 
 
 def _backend(*, no_return=False, no_scale=False, flat=False, first_only=False,
-             args_swapped=False, transposed=False):
+             args_swapped=False, transposed=False, longest=False, nan_values=False):
     class MyPagedAttention(TorchPagedAttention):
         def forward_decode(self, query, kv_cache, block_tables, seq_lens, max_seq_len):
             scale = 1.0 if no_scale else self.scale
+            if longest:  # every sequence attends to max_seq_len keys
+                seq_lens = torch.full_like(seq_lens, max_seq_len)
             if args_swapped:
                 out = _decode(query, block_tables, kv_cache, seq_lens, scale)
             else:
-                out = _decode(query, kv_cache, block_tables, seq_lens, scale)
+                out = _decode(query, kv_cache, block_tables, seq_lens, scale, nan_values=nan_values)
             if no_return:
                 return None
             if flat:
@@ -209,6 +211,9 @@ class _OtherBackend(TorchPagedAttention):
     ("first_only", "returned shape [1, 6, 32] for a query of shape [3, 6, 32]"),
     ("transposed", "the output must be [num_decodes, num_heads, head_size]"),
     ("args_swapped", "pass them to paged_decode in that order"),
+    ("longest", "read keys or values past a sequence's length (the rest of its last block"),
+    ("longest", "you attended to max_seq_len = "),
+    ("nan_values", "multiplied their values by the zero weight: 0 * NaN is NaN"),
 ])
 def test_exercise_4_rejects(mistake, message):
     with pytest.raises(AssertionError, match=re.escape(message)):
@@ -245,7 +250,7 @@ def test_exercise_4_passes(answer, capsys):
 
 def _flatten(seq_group_metadata_list, block_size, *, from_zero=False, decode_len=False,
              by_position=False, first_token=False, whole_prompt=False, decodes_first=False,
-             none=False):
+             first_seq_only=False, none=False):
     if none:
         return None
     metas = seq_group_metadata_list
@@ -253,7 +258,8 @@ def _flatten(seq_group_metadata_list, block_size, *, from_zero=False, decode_len
         metas = [m for m in metas if not m.is_prompt] + [m for m in metas if m.is_prompt]
     input_ids, positions, slots = [], [], []
     for meta in metas:
-        for seq_id, data in meta.seq_data.items():
+        seqs = list(meta.seq_data.items())
+        for seq_id, data in seqs[:1] if first_seq_only else seqs:
             table = meta.block_tables[seq_id]
             if meta.is_prompt:
                 start = 0 if from_zero else data.num_computed_tokens
@@ -273,13 +279,13 @@ def _flatten_other(seq_group_metadata_list, block_size):
     """Correct, written otherwise: token by token, the decode's token by name."""
     rows = []
     for meta in seq_group_metadata_list:
-        (seq_id, data), = meta.seq_data.items()
-        table = meta.block_tables[seq_id]
-        for j in range(meta.token_chunk_size):
-            p = data.num_computed_tokens + j
-            token = data.get_token_ids()[p] if meta.is_prompt else data.get_last_token_id()
-            block, row = divmod(p, block_size)
-            rows.append((token, p, table[block] * block_size + row))
+        for seq_id in meta.seq_data:
+            data, table = meta.seq_data[seq_id], meta.block_tables[seq_id]
+            for j in range(meta.token_chunk_size):
+                p = data.num_computed_tokens + j
+                token = data.get_token_ids()[p] if meta.is_prompt else data.get_last_token_id()
+                block, row = divmod(p, block_size)
+                rows.append((token, p, table[block] * block_size + row))
     return tuple(list(column) for column in zip(*rows, strict=True))
 
 
@@ -290,6 +296,7 @@ def _flatten_other(seq_group_metadata_list, block_size):
     ("first_token", "a decode's input is its last token"),
     ("whole_prompt", "each prefill chunk brings token_chunk_size tokens"),
     ("decodes_first", "prefills first, then decodes"),
+    ("first_seq_only", "you flattened one sequence per group: request P (n=2)"),
     ("none", "returned None"),
 ])
 def test_exercise_5_rejects(mistake, message):
@@ -306,6 +313,12 @@ def test_exercise_5_passes(answer, capsys):
 def test_exercise_5_runs_a_chunk_that_does_not_start_at_0_beside_decodes():
     step = day4.mixed_step()
     assert step.batch.context_lens[0] > 0 and len(step.batch.seq_ids) > step.batch.num_prefills
+
+
+def test_exercise_5_runs_a_group_of_two_sequences_with_their_own_tables():
+    groups = [meta for step in day4.mixed_run() for meta in step.seq_group_metadata_list
+              if len(meta.seq_data) == 2]
+    assert any(len({tuple(t) for t in meta.block_tables.values()}) == 2 for meta in groups)
 
 
 # Part 6: the kernel's parameters against the decode path's launch -------------------

@@ -4,13 +4,15 @@ Exercises 1-3 are checked against plain references on fixed inputs: slots
 by the formula of `minivllm/attention/kv_cache.py`, attention by ordinary
 contiguous attention (`torch.nn.functional.scaled_dot_product_attention`).
 Exercise 4 runs the learner's backend class inside the real engine
-(`LLM(model, attention_backend=TheirClass)`) and compares greedy tokens
+(`LLM(model, attention_backend=TheirClass)`), on a KV cache filled with NaN
+so that reading past a sequence's length shows, and compares greedy tokens
 with the reference backend. Exercise 5 flattens the batches that a
-chunked-prefill engine really ran and compares them with the engine's own
-`FlatBatch`. When an answer is wrong, the checker tries the common mistakes
-and names the one the answer matches. A NotImplementedError propagates; any
-other exception from the learner's code becomes an AssertionError saying
-where it was raised and what likely caused it.
+chunked-prefill engine really ran (one request forks into n=2 sequences)
+and compares them with the engine's own `FlatBatch`. When an answer is
+wrong, the checker tries the common mistakes and names the one the answer
+matches. A NotImplementedError propagates; any other exception from the
+learner's code becomes an AssertionError saying where it was raised and
+what likely caused it.
 """
 
 from __future__ import annotations
@@ -310,7 +312,12 @@ _reference_tokens: list[list[int]] | None = None
 
 
 def _tokens(backend, **kwargs) -> list[list[int]]:
+    """Greedy tokens of PROMPTS on a cache filled with NaN first: a fresh
+    cache's unwritten slots would hold zeros, which a decode reading past a
+    sequence's length barely notices; NaN is stale data it cannot miss."""
     llm = LLM(DEFAULT_MODEL, attention_backend=backend, **kwargs)
+    for cache in llm.llm_engine.model_executor.driver_worker.gpu_cache:
+        cache.fill_(float("nan"))
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
@@ -341,6 +348,44 @@ def _check_decode_output(name: str, out, query: torch.Tensor) -> None:
             f"your {name}.forward_decode returned {out.dtype} for a {query.dtype} query: "
             "compute in float32 if you like, but cast the result back (`.to(query.dtype)`)."
         )
+
+
+def _nan_message(name: str, impl, decode, out, query, kv_cache, block_tables, seq_lens,
+                 max_seq_len) -> str:
+    """What a NaN from the learner's decode means: it read slots no token was
+    written to. Their decode is rerun with those slots zeroed to tell which
+    read: keys past seq_len, or masked values multiplied in."""
+    seqs = torch.isnan(out).flatten(1).any(1).nonzero().flatten().tolist()
+    clean = kv_cache.nan_to_num(0.0)
+    mine = decode(impl, query, clean, block_tables, seq_lens, max_seq_len).float()
+
+    def reference(lens):
+        return TorchPagedAttention.forward_decode(
+            impl, query, clean, block_tables, lens, max_seq_len).float()
+
+    if (mine - reference(seq_lens)).abs().max().item() < 1e-3:
+        closer = (
+            "you masked the scores past seq_lens[i] but multiplied their values by the zero "
+            "weight: 0 * NaN is NaN. Zero those values, or slice each sequence to its length."
+        )
+    elif (mine - reference(torch.full_like(seq_lens, max_seq_len))).abs().max().item() < 1e-3:
+        closer = (
+            f"you attended to max_seq_len = {max_seq_len} keys for every sequence: sequence i "
+            "has only seq_lens[i]; max_seq_len, the longest, is for sizing a GPU kernel's launch."
+        )
+    else:
+        closer = ""
+    return (
+        f"your {name}.forward_decode returned NaN for the decodes {seqs} of a batch with "
+        f"seq_lens {seq_lens.tolist()}. The checker fills the KV cache with NaN before the run, "
+        "as stale data of earlier requests would fill a reused one: only a sequence's first "
+        "seq_lens[i] slots hold its keys and values, so your decode read keys or values past "
+        "a sequence's length (the rest of its last block, or the padding block 0).\n"
+        + (f"It looks like {closer}\n" if closer else "")
+        + "Sequence i attends to exactly the first seq_lens[i] tokens of block_tables[i]: use "
+        "seq_lens[i] keys, not max_seq_len, and keep the slots past them out of the scores and "
+        "the values (exercise 3's NaN block 0 asked the same)."
+    )
 
 
 def _backend_hint(error: BaseException) -> str:
@@ -394,6 +439,8 @@ def exercise_4(backend_cls) -> None:
                 calls["decode"] += 1
                 out = original(self, query, *args, **kwargs)
                 _check_decode_output(name, out, query)
+                if torch.isnan(out).any():  # the engine calls with the five arguments, in order
+                    raise AssertionError(_nan_message(name, self, original, out, query, *args))
                 return out
 
         Counting.__name__ = name
@@ -402,7 +449,8 @@ def exercise_4(backend_cls) -> None:
         calls["decode"] = None  # a class with its own forward: nothing to count
     if _reference_tokens is None:
         _reference_tokens = _tokens("torch", num_gpu_blocks_override=16)
-    # A small cache (16 blocks of 16 tokens), so that tables are short and reused.
+    # A small cache (16 blocks of 16 tokens), so that tables are short and
+    # reused; filled with NaN, so that reading past seq_len shows.
     with learner_code(f"your {name}, inside the engine,", _backend_hint):
         got = _tokens(backend, num_gpu_blocks_override=16)
     if calls["decode"] == 0:
@@ -491,7 +539,10 @@ def describe_argument(value) -> str:
 # A chunked-prefill engine without the model: blocks of 4 tokens, at most 16
 # tokens per step. Z finishes in step 0 and gives its blocks back, so the
 # later tables are not in order; C's 30-token prompt arrives in step 1 and is
-# prefilled in chunks beside A's and B's decodes.
+# prefilled in chunks beside A's and B's decodes. P (n=2) comes once C is
+# prefilled (the lab's worked example is unchanged) and forks after its
+# prompt: a group of two sequences, each with its own table past the shared
+# prefix, so that an answer flattening one sequence per group is caught.
 _MIXED_ENGINE = dict(
     block_size=4,
     num_gpu_blocks_override=24,
@@ -499,11 +550,12 @@ _MIXED_ENGINE = dict(
     max_num_batched_tokens=16,
     max_num_seqs=4,
 )
-_MIXED_REQUESTS = [  # (request id, arrival step, prompt length, max_tokens)
-    ("Z", 0, 5, 1),
-    ("A", 0, 6, 8),
-    ("B", 1, 3, 7),
-    ("C", 2, 30, 3),
+_MIXED_REQUESTS = [  # (request id, arrival step, prompt length, max_tokens, n)
+    ("Z", 0, 5, 1, 1),
+    ("A", 0, 6, 8, 1),
+    ("B", 1, 3, 7, 1),
+    ("C", 2, 30, 3, 1),
+    ("P", 5, 6, 3, 2),
 ]
 
 
@@ -533,14 +585,16 @@ class _Recorder:
         sampled = {seq_id for seq_id, _, _ in record.samples}
         metas = []
         for meta in record.seq_group_metadata_list:
-            (seq_id, data), = meta.seq_data.items()  # n=1 requests only
-            i = batch.seq_ids.index(seq_id)
-            outputs = data.output_token_ids[: len(data.output_token_ids) - (seq_id in sampled)]
-            before = SequenceData(list(data.prompt_token_ids), list(outputs),
-                                  num_computed_tokens=batch.context_lens[i])
+            seq_data, tables = {}, {}
+            for seq_id, data in meta.seq_data.items():
+                i = batch.seq_ids.index(seq_id)
+                outputs = data.output_token_ids[: len(data.output_token_ids) - (seq_id in sampled)]
+                seq_data[seq_id] = SequenceData(list(data.prompt_token_ids), list(outputs),
+                                                num_computed_tokens=batch.context_lens[i])
+                tables[seq_id] = list(batch.block_tables[i])
             metas.append(SequenceGroupMetadata(
-                meta.request_id, meta.is_prompt, {seq_id: before}, meta.sampling_params,
-                {seq_id: list(batch.block_tables[i])}, meta.token_chunk_size, meta.do_sample,
+                meta.request_id, meta.is_prompt, seq_data, meta.sampling_params, tables,
+                meta.token_chunk_size, meta.do_sample,
             ))
         self.steps.append(MixedStep(len(self.steps), metas, batch))
 
@@ -556,13 +610,15 @@ def mixed_run() -> list[MixedStep]:
             engine = LLMEngine.from_engine_args(args)
             recorder = _Recorder()
             engine.add_step_observer(recorder)
-            prompts = token_prompts([n for _, _, n, _ in _MIXED_REQUESTS])
+            prompts = token_prompts([length for _, _, length, _, _ in _MIXED_REQUESTS])
             pending = sorted(zip(_MIXED_REQUESTS, prompts, strict=True), key=lambda r: r[0][1])
             step = 0
             while pending or engine.has_unfinished_requests():
                 while pending and pending[0][0][1] <= step:
-                    (rid, _, _, max_tokens), prompt = pending.pop(0)
-                    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                    (rid, _, _, max_tokens, n), prompt = pending.pop(0)
+                    # Greedy allows n=1 only; the dry run's tokens ignore the temperature.
+                    params = SamplingParams(n=n, temperature=0 if n == 1 else 1.0,
+                                            max_tokens=max_tokens, ignore_eos=True)
                     engine.add_request(rid, {"prompt_token_ids": prompt}, params)
                 engine.step()
                 step += 1
@@ -653,6 +709,24 @@ def _flatten_mistake(metas, batch: FlatBatch, field: str, got: list[int], block_
     return ""
 
 
+def _count_mistake(metas, batch: FlatBatch, count: int) -> str:
+    """Why the learner's lists hold `count` entries, not one per token of the batch."""
+    firsts = {next(iter(meta.seq_data)) for meta in metas}
+    first_only = sum(end - start for i, start, end in _spans(batch) if batch.seq_ids[i] in firsts)
+    group = next((meta for meta in metas if len(meta.seq_data) > 1), None)
+    if group and count == first_only:
+        return (
+            f"you flattened one sequence per group: request {group.request_id} "
+            f"(n={group.sampling_params.n}) has {len(group.seq_data)} sequences, seq_ids "
+            f"{list(group.seq_data)}, each with its own tokens and block table. Loop over all "
+            "of meta.seq_data: every sequence computes its token_chunk_size tokens."
+        )
+    return (
+        f"the step computes {len(batch.input_ids)} tokens: each prefill chunk brings "
+        "token_chunk_size tokens (not the rest of its prompt), each decode one."
+    )
+
+
 def _flatten_hint(error: BaseException) -> str:
     if isinstance(error, IndexError):
         return (
@@ -688,10 +762,7 @@ def exercise_5(flatten_batch) -> None:
             if got == want:
                 continue
             if len(got) != len(want):
-                closer = (
-                    f"the step computes {len(want)} tokens: each prefill chunk brings "
-                    "token_chunk_size tokens (not the rest of its prompt), each decode one."
-                )
+                closer = _count_mistake(metas, batch, len(got))
             else:
                 closer = _flatten_mistake(metas, batch, field, got, block_size)
             raise AssertionError(
