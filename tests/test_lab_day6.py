@@ -107,7 +107,7 @@ def test_exercise_1_passes(answer, capsys):
 
 def _admission(*, skip_ahead=False, never_not_popped=False, never_breaks=False,
                one_seq=False, append_running=False, not_returned=False, no_token_charge=False,
-               no_seq_charge=False, budget_first=False):
+               no_seq_charge=False, budget_first=False, budget_skip=False, prompt_len=False):
     class MyScheduler(Scheduler):
         def _schedule_prefills(self, budget, out, enable_chunking=False):
             prefills = []
@@ -132,10 +132,14 @@ def _admission(*, skip_ahead=False, never_not_popped=False, never_breaks=False,
                         self.waiting.popleft()
                     self._ignore(seq_group, out, "it can never fit in the KV cache")
                     continue
-                num_new_tokens = seq_group.get_seqs(SequenceStatus.WAITING)[0].get_len()
+                seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
+                num_new_tokens = seq.get_prompt_len() if prompt_len else seq.get_len()
                 num_new_seqs = 1 if one_seq else seq_group.get_max_num_running_seqs()
                 if not budget.can_schedule(num_new_tokens=num_new_tokens,
                                            num_new_seqs=num_new_seqs):
+                    if budget_skip:
+                        skipped.append(self.waiting.popleft())
+                        continue
                     break
                 self.waiting.popleft()
                 self._allocate_and_set_running(seq_group)
@@ -189,10 +193,22 @@ class _AlternativeAdmission(Scheduler):
     ("no_token_charge", "budget.add_num_batched_tokens"),
     ("no_seq_charge", "budget.add_num_seqs"),
     ("budget_first", "even when the budget is spent"),
+    ("budget_skip", "vLLM stops at the first prompt that does not fit (FCFS: no skipping ahead)"),
 ])
 def test_exercise_2_rejects(mistake, message):
     with pytest.raises(AssertionError, match=re.escape(message)):
         day6.exercise_2(_admission(**{mistake: True}))
+
+
+@pytest.mark.slow
+def test_exercise_2_names_the_recomputed_tokens_first():
+    """The prompt's length for a recomputed request loses the request, which
+    reads like a group not returned: the hint must lead with the real cause."""
+    with pytest.raises(AssertionError) as error:
+        day6.exercise_2(_admission(prompt_len=True))
+    hint = str(error.value).split("Hint: ", 1)[1]
+    assert hint.startswith("a request recomputed after a preemption was admitted with too few")
+    assert "seq.get_prompt_len() leaves the outputs out" in hint
 
 
 @pytest.mark.slow
@@ -276,7 +292,7 @@ def test_exercise_3_passes(static, usage, capsys):
 
 def _preempting(*, always_configured=False, by_running_seqs=False, prefill_recompute=False,
                 no_forced_swap=False, no_reset=False, free_on_swap=False, queue_victim=False,
-                not_recorded=False, no_counter=False, no_status=False):
+                not_recorded=False, no_counter=False, no_status=False, assign_swap_out=False):
     class MyPreemptingScheduler(Scheduler):
         def _preempt(self, seq_group, out):
             mode = self.scheduler_config.preemption_mode
@@ -302,7 +318,11 @@ def _preempting(*, always_configured=False, by_running_seqs=False, prefill_recom
                 if queue_victim:
                     self.waiting.appendleft(seq_group)
             else:
-                out.blocks_to_swap_out += self.block_manager.swap_out(seq_group)
+                moves = self.block_manager.swap_out(seq_group)
+                if assign_swap_out:
+                    out.blocks_to_swap_out = moves
+                else:
+                    out.blocks_to_swap_out += moves
                 for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                     if free_on_swap:
                         self.free_seq(seq)
@@ -356,6 +376,7 @@ class _AlternativePreempting(Scheduler):
     ("not_recorded", "out.preempted.append((seq_group, mode))"),
     ("no_counter", "num_cumulative_preemption"),
     ("no_status", "seq.status"),
+    ("assign_swap_out", "`out.blocks_to_swap_out = ...` replaced the earlier victims' pairs"),
 ])
 def test_exercise_4_rejects(mistake, message):
     with pytest.raises(AssertionError, match=re.escape(message)):

@@ -230,6 +230,37 @@ _FALLBACK_ERROR_HINT = (
 _TOKENS_NOT_SUMMED = "num_batched_tokens is not the sum"
 
 
+# Exercise 2's RECOMPUTE workload, which _admits_recomputed_short replays.
+RECOMPUTE_PROMPT_LENS = [40, 16, 17, 31, 5, 40]
+RECOMPUTE_MAX_TOKENS = 40
+RECOMPUTE_ENGINE = dict(block_size=16, num_gpu_blocks_override=12, preemption_mode="recompute")
+
+
+def _admits_recomputed_short(scheduler_cls) -> bool:
+    """Does the scheduler admit a recomputed request with fewer tokens than
+    it holds? Replays the RECOMPUTE workload, looking after each step for a
+    running group still in its prefill: without chunked prefill an admitted
+    group computes all its tokens in its first step. (The default step runs
+    no prefill chunks and drops such a group: it never finishes.)"""
+    try:
+        with quiet_engine():
+            llm = LLM(dry_run=True, disable_log_stats=True, scheduler_cls=scheduler_cls,
+                      **RECOMPUTE_ENGINE)
+            engine = llm.llm_engine
+            for i, prompt in enumerate(token_prompts(RECOMPUTE_PROMPT_LENS)):
+                engine.add_request(str(i), {"prompt_token_ids": prompt},
+                                   _greedy(RECOMPUTE_MAX_TOKENS))
+            for _ in range(1000):  # the reference needs about 100 steps
+                if not engine.has_unfinished_requests():
+                    break
+                engine.step()
+                if any(group.is_prefill() for group in engine.scheduler.running):
+                    return True
+    except Exception:  # noqa: BLE001 - another mistake, which the caller's hint names
+        pass
+    return False
+
+
 def _admission_error_hint(error: BaseException) -> str:
     """Exercise 2: the likely mistake behind an exception from the engine."""
     twice = _twice_in_a_queue(component_of(error, Scheduler))
@@ -239,6 +270,15 @@ def _admission_error_hint(error: BaseException) -> str:
             "neither method should add to a queue"
         )
     if isinstance(error, KeyError) and _raised_in(error, "entrypoints/llm.py"):
+        llm = component_of(error, LLM)
+        if llm is not None and _admits_recomputed_short(type(llm.llm_engine.scheduler)):
+            return (
+                "a request recomputed after a preemption was admitted with too few tokens: it "
+                "prefills its prompt AND the tokens it had generated, so its num_new_tokens is "
+                "seq.get_len() (prompt + outputs); seq.get_prompt_len() leaves the outputs out. "
+                f"(Left half-prefilled, such a request is dropped by the step, so request {error} "
+                "never finished.)"
+            )
         return (
             f"request {error} never finished: it left self.waiting but never reached "
             "self.running. Your _schedule_prefills took it off self.waiting but did not "
@@ -330,6 +370,14 @@ def _closer_hint(field: str, want, have) -> str | None:
             "A RECOMPUTE victim must be prefilled again from scratch: call "
             "seq.reset_state_for_recompute() on each of its sequences."
         )
+    if field == "swap_out" and have and len(have) < len(want) and want[-len(have):] == have:
+        return (
+            "This step swapped out several groups, and yours kept only the last one's block "
+            "moves: `out.blocks_to_swap_out = ...` replaced the earlier victims' pairs. Add to "
+            "the list (`+=` or `.extend`): every victim's blocks must be copied to the CPU pool "
+            "before the pass, or its K/V is lost and it comes back with whatever those CPU "
+            "blocks held."
+        )
     if field == "queues_after":
         for mine, theirs, mode in (("waiting", "swapped", "RECOMPUTE"),
                                    ("swapped", "waiting", "SWAP")):
@@ -377,13 +425,16 @@ def exercise_2(scheduler_cls) -> None:
     _require_scheduler(scheduler_cls)
     # (label, prompts, params, engine options, what the workload shows)
     workloads = [
-        ("token budget: four 100-token prompts, max_num_batched_tokens=256",
-         token_prompts([100] * 4), _greedy(4),
+        # The 20-token prompt would fit beside the first two: only FCFS keeps it waiting.
+        ("token budget: prompts of 100, 100, 150 and 20 tokens, max_num_batched_tokens=256",
+         token_prompts([100, 100, 150, 20]), _greedy(4),
          dict(block_size=16, num_gpu_blocks_override=64, max_model_len=256,
               max_num_batched_tokens=256),
-         "two 100-token prompts fit the 256-token budget, a third does not: charge each "
-         "admitted prompt with budget.add_num_batched_tokens, and stop when "
-         "budget.can_schedule says no."),
+         "the two 100-token prompts fit the 256-token budget, the 150-token one after them "
+         "does not: charge each admitted prompt with budget.add_num_batched_tokens, and stop "
+         "when budget.can_schedule says no. vLLM stops at the first prompt that does not fit "
+         "(FCFS: no skipping ahead), so the 20-token prompt waits behind it although it would "
+         "fit: a `continue` where the loop must `break` admitted it."),
         ("free blocks: 100 + 50 tokens in 10 blocks of 16",
          token_prompts([100, 50]), _greedy(3),
          dict(block_size=16, num_gpu_blocks_override=10),
@@ -423,8 +474,7 @@ def exercise_2(scheduler_cls) -> None:
          "an n=2 request will run two sequences: it asks for "
          "seq_group.get_max_num_running_seqs() == 2 slots, not 1, so only one fits in 3."),
         ("RECOMPUTE preemption: preempted requests are admitted again",
-         token_prompts([40, 16, 17, 31, 5, 40]), _greedy(40),
-         dict(block_size=16, num_gpu_blocks_override=12, preemption_mode="recompute"),
+         token_prompts(RECOMPUTE_PROMPT_LENS), _greedy(RECOMPUTE_MAX_TOKENS), RECOMPUTE_ENGINE,
          "a RECOMPUTE victim is back at the head of self.waiting and is admitted like a "
          "prompt, with all its tokens (prompt and generated) to prefill."),
     ]
@@ -609,6 +659,15 @@ def exercise_4(scheduler_cls) -> None:
             three, _greedy(40), True, focus,
             block_size=16, num_gpu_blocks_override=12, preemption_mode=mode, swap_space=0.01,
         )
+    _check_preempting(
+        scheduler_cls,
+        "dry run, four 16-token prompts in 4 blocks of 16, preemption_mode='swap'",
+        token_prompts([16] * 4), _greedy(3), True,
+        "in step 1 each request needs a second block and none is free: requests 0 and 1 get "
+        "theirs by swapping out 3, then 2. One step, two victims: out.blocks_to_swap_out "
+        "must hold both victims' block moves.",
+        block_size=16, num_gpu_blocks_override=4, preemption_mode="swap", swap_space=0.01,
+    )
     _check_preempting(
         scheduler_cls,
         "dry run, n=2 groups under pressure with preemption_mode='recompute' (forked: SWAP)",
