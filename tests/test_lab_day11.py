@@ -219,7 +219,8 @@ def _tpot(out, *, by_n=False, from_arrival=False, zero=False, raises=False, e2e=
     return (m.finished_time - start) / (n if (by_n or e2e) else n - 1)
 
 
-def _percentile(values, q, *, nearest=False, unsorted=False, n_not_n1=False, rank=False):
+def _percentile(values, q, *, nearest=False, unsorted=False, n_not_n1=False, rank=False,
+                no_clamp=False):
     ordered = list(values) if unsorted else sorted(values)
     if rank:
         return ordered[max(math.ceil(len(ordered) * q / 100) - 1, 0)]
@@ -228,7 +229,7 @@ def _percentile(values, q, *, nearest=False, unsorted=False, n_not_n1=False, ran
     if nearest:
         return ordered[round(pos)]
     lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
+    hi = lo + 1 if no_clamp else min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
@@ -261,11 +262,22 @@ def test_exercise_3_passes_written_otherwise(capsys):
     ({}, {}, dict(unsorted=True), "sort the values first"),
     ({}, {}, dict(n_not_n1=True), "(n - 1) * q / 100, not n * q / 100"),
     ({}, {}, dict(rank=True), "interpolates linearly between the two closest ranks"),
+    ({}, {}, dict(no_clamp=True), "hi = min(lo + 1, n - 1)"),  # IndexError at q=100
 ])
 def test_exercise_3_rejects(ttft, tpot, pct, message):
     with pytest.raises(AssertionError, match=re.escape(message)):
         day11.exercise_3(lambda o: _ttft(o, **ttft), lambda o: _tpot(o, **tpot),
                          lambda v, q: _percentile(v, q, **pct))
+
+
+def test_exercise_3_turns_a_crash_into_a_hint():
+    """An exception from the learner's function names it and its line."""
+    with pytest.raises(AssertionError) as caught:
+        day11.exercise_3(lambda o: o.first_token_time - o.arrival_time, _tpot, _percentile)
+    message = str(caught.value)
+    assert message.startswith("ttft of the recorded request 'admitted at once, 9 tokens' "
+                              "raised AttributeError")
+    assert "the times are the fields of out.metrics" in message
 
 
 # -- the measurements ----------------------------------------------------------------------

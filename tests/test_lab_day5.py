@@ -160,7 +160,8 @@ def test_exercise_2_passes(blocks, slots, capsys):
 
 
 def _manager(*, no_return=False, le=False, cpu_to_gpu=False, keep_table=False,
-             strict_free=False, round_down=False, append_no_return=False):
+             strict_free=False, round_down=False, append_no_return=False, own_blocks=False,
+             one_list=False, ref_one=False, reversed_free=False):
     class MyBlockManager(BlockSpaceManager):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -172,13 +173,19 @@ def _manager(*, no_return=False, le=False, cpu_to_gpu=False, keep_table=False,
         def allocate(self, seq_group):
             waiting = seq_group.get_seqs(SequenceStatus.WAITING)
             n = waiting[0].get_len() // self.block_size if round_down else waiting[0].n_blocks
+            if own_blocks:  # each waiting sequence its own blocks: nothing shared
+                for seq in waiting:
+                    self.block_tables[seq.seq_id] = [self.gpu_allocator.allocate()
+                                                     for _ in range(n)]
+                return 0
             block_table = []
             for _ in range(n):
                 block = self.gpu_allocator.allocate()
-                block.ref_count = len(waiting)
+                if not ref_one:
+                    block.ref_count = len(waiting)
                 block_table.append(block)
             for seq in waiting:
-                self.block_tables[seq.seq_id] = block_table.copy()
+                self.block_tables[seq.seq_id] = block_table if one_list else block_table.copy()
             if not no_return:
                 return 0
 
@@ -198,7 +205,7 @@ def _manager(*, no_return=False, le=False, cpu_to_gpu=False, keep_table=False,
                 block_table = self.block_tables.pop(seq.seq_id, None)
             if block_table is None:
                 return
-            for block in block_table:
+            for block in reversed(block_table) if reversed_free else block_table:
                 if cpu_to_gpu or block.device == Device.GPU:
                     self.gpu_allocator.free(block)
                 else:
@@ -248,6 +255,14 @@ class _AlternativeManager(BlockSpaceManager):
     ("strict_free", "never got blocks"),
     ("round_down", "seq.n_blocks"),
     ("append_no_return", "append_slots returns the list of copy-on-write pairs"),
+    # The engine never admits a group of several waiting sequences: the
+    # checker asks allocate about one directly.
+    ("own_blocks", "both should map the same 2 blocks"),
+    ("one_list", "the same list as their block table"),
+    ("ref_one", "the shared blocks have ref_count [1, 1]"),
+    # Correct in itself, but it hands out other blocks than the reference:
+    # the message says so rather than blaming how tables grow.
+    ("reversed_free", "the order in which free gives a table's blocks back"),
 ])
 def test_exercise_3_rejects(mistake, message):
     with pytest.raises(AssertionError, match=re.escape(message)):

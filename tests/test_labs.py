@@ -4,6 +4,9 @@ the lessons' references to real files and symbols."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
+import io
 import re
 import subprocess
 import sys
@@ -12,8 +15,9 @@ from pathlib import Path
 import httpx
 import nbformat
 import pytest
+import torch
 
-from tools.labs.execute import execute_notebook
+from tools.labs.execute import CellResult, execute_notebook
 from tools.labs.generate import LABS_DIR, SOLUTIONS_DIR, lab_text, make_lab, strip_solutions
 from tools.labs.progress import exercise_status, format_table, summary_line
 
@@ -215,6 +219,47 @@ def test_a_crash_in_the_learners_code_names_their_line():
         "MyBlockManager raised KeyError: 'missing', in your `allocate_twice`, "
         "at the line `return [table[key] for key in [\"missing\"]]`.\nHint: likely: KeyError"
     )
+
+
+def _progress_status(checker_call) -> str:
+    """What tools.labs.progress reports for a checker cell running this call."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            checker_call()
+        error = None
+    except Exception as caught:  # noqa: BLE001 - a cell's error, by its class name
+        error = type(caught).__name__
+    return exercise_status([CellResult(0, ["checker"], "", error, out.getvalue())])[1]
+
+
+def _penalties(logits, prompt_token_ids, output_token_ids, presence, frequency, repetition,
+               *, unfinished=False):
+    """Day 9's apply_penalties, or the lab's placeholder while unfinished. Its
+    bug: torch.tensor of an empty list of ids is float32, which torch.bincount
+    refuses with NotImplementedError."""
+    if unfinished:
+        raise NotImplementedError("Day 9, exercise 1")
+    counts = torch.stack([torch.bincount(torch.tensor(ids), minlength=logits.shape[1])
+                          for ids in output_token_ids])
+    return logits - frequency.unsqueeze(-1) * counts
+
+
+def test_an_unfinished_exercise_is_todo_and_a_pytorch_not_implemented_error_fails():
+    """Only the lab's own placeholder passes through learner_code as
+    NotImplementedError ("todo"); PyTorch's, for an operator at a dtype it
+    has no kernel for, is the learner's bug, reported with a hint."""
+    from tools.labs.checks import day9
+
+    assert _progress_status(
+        lambda: day9.exercise_1(functools.partial(_penalties, unfinished=True))) == "todo"
+    assert _progress_status(lambda: day9.exercise_1(_penalties)) == "FAIL (AssertionError)"
+    with pytest.raises(AssertionError) as caught:
+        day9.exercise_1(_penalties)
+    message = str(caught.value)
+    assert message.startswith("your apply_penalties raised NotImplementedError: "
+                              "\"bincount_cpu\" not implemented for 'Float', in your `_penalties`")
+    assert "build token ids with dtype=torch.long" in message
 
 
 def test_a_crash_in_the_engine_says_it_is_not_in_the_learners_code():

@@ -20,6 +20,7 @@ import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.tracer import load_trace
 from minivllm.tracer.trace import Trace
+from tools.labs.checks._common import is_unfinished
 
 
 @dataclass
@@ -156,23 +157,39 @@ def component_of(error: BaseException, cls: type) -> Any:
     return found
 
 
+def passes_through(error: BaseException) -> bool:
+    """What a checker's guard re-raises as it is: its own verdict
+    (AssertionError) and an unfinished exercise."""
+    return isinstance(error, AssertionError) or is_unfinished(error)
+
+
+_NO_KERNEL_HINT = (
+    "PyTorch has no version of this operator for that dtype (the message names the operator, "
+    "then the dtype): check the dtype of the tensors you give it. A common cause: "
+    "torch.tensor of an empty list is float32, so build token ids with dtype=torch.long."
+)
+
+
 def learner_code(what: str, hint: str | Callable[[BaseException], str] = ""):
     """Turn an unexpected exception from the learner's component into an
     AssertionError that names the component, says where it was raised (the
     learner's line, or the engine's line that tripped), and gives a hint:
     `hint` is a string, or a function of the exception that names the likely
-    mistake. AssertionError, and NotImplementedError (an unfinished
-    exercise), pass through unchanged."""
+    mistake. AssertionError, and the placeholder of an unfinished exercise,
+    pass through unchanged (`passes_through`)."""
 
     @contextlib.contextmanager
     def guard():
         try:
             yield
-        except (NotImplementedError, AssertionError):
-            raise
         except Exception as error:  # noqa: BLE001 - reported to the learner
+            if passes_through(error):
+                raise
             message = f"{what} raised {type(error).__name__}: {error}, {where_it_failed(error)}."
-            advice = hint(error) if callable(hint) else hint
+            if isinstance(error, NotImplementedError) and "not implemented for" in str(error):
+                advice = _NO_KERNEL_HINT  # PyTorch's "<op>" not implemented for '<dtype>'
+            else:
+                advice = hint(error) if callable(hint) else hint
             if advice:
                 message += f"\nHint: {advice}"
             raise AssertionError(message) from error

@@ -39,6 +39,7 @@ from tools.labs.checks._engine_runs import (
     StepLimit,
     first_difference,
     learner_code,
+    passes_through,
     quiet_engine,
     the_step_before,
 )
@@ -703,9 +704,9 @@ def _run_script(alloc_cls: type, n: int = 5) -> tuple[list, list[str], Exception
         alloc = alloc_cls(Device.GPU, 2, n)
     try:
         log.extend(_script(alloc, doing, log))
-    except (NotImplementedError, AssertionError):
-        raise
     except Exception as error:  # noqa: BLE001 - reported to the learner
+        if passes_through(error):
+            raise
         return log, doing, error
     return log, doing, None
 
