@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 def _config(num_seqs, num_heads, num_kv_heads, head_size, block_size, max_seq_len, dtype, *,
             swapped_grid=False, kv_grid=False, unpadded=False, floats=False, tgs_block=False,
             vec_fp32=False, vec_lane=False, no_out_smem=False, name_order=False, grid_1d=False,
-            cache_bytes=False):
+            cache_bytes=False, floor_dims=False):
     tgs = block_size if tgs_block else 32 // block_size
     size = 4 if vec_fp32 else dtype.itemsize
     vec = 16 // size if vec_lane else max(16 // (tgs * size), 1)
@@ -45,7 +45,7 @@ def _config(num_seqs, num_heads, num_kv_heads, head_size, block_size, max_seq_le
         "num_warps": 4,
         "thread_group_size": tgs,
         "vec_size": vec,
-        "dims_per_lane": -(-head_size // 32),
+        "dims_per_lane": head_size // 32 if floor_dims else -(-head_size // 32),
         "static_smem_bytes": 4 * (head_size + 4 + (0 if no_out_smem else 4 * head_size)),
         "dynamic_smem_bytes": smem,
     }
@@ -83,6 +83,7 @@ def _config_other(num_seqs, num_heads, num_kv_heads, head_size, block_size, max_
     ("name_order", "the instantiation is paged_attention_v1_kernel<dtype, HEAD_SIZE, BLOCK_SIZE"),
     ("grid_1d", "v1's grid has two dimensions"),
     ("cache_bytes", "the logits are float32 whatever the cache's dtype"),
+    ("floor_dims", "a lane owns ceil(HEAD_SIZE / WARP_SIZE) dimensions"),
 ])
 def test_exercise_1_rejects(mistake, message):
     with pytest.raises(AssertionError, match=re.escape(message)):

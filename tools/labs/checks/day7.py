@@ -162,6 +162,7 @@ LAUNCH_CASES = [
     (5, 4, 1, 64, 32, 100, torch.bfloat16, "bfloat16, blocks of 32, one KV head"),
     (1, 32, 8, 128, 16, 8192, torch.float16, "the longest context v1 takes"),
     (4, 16, 4, 256, 16, 1000, torch.float32, "head_size 256"),
+    (2, 10, 2, 80, 16, 50, torch.float16, "head_size 80, not a multiple of 32"),
 ]
 
 KEYS = ("kernel", "grid", "threads", "num_warps", "thread_group_size", "vec_size",
@@ -203,6 +204,10 @@ def _config_mistake(key: str, got, want: dict, case: tuple) -> str:
     if key == "static_smem_bytes" and got == 4 * (head_size + want["num_warps"]):
         return ("count out_smem too: stage 4 keeps one float per (warp, dimension) for the "
                 "cross-warp sum.")
+    if key == "dims_per_lane" and got == head_size // 32:
+        return ("a lane owns ceil(HEAD_SIZE / WARP_SIZE) dimensions: rounded up, so that "
+                "the warp covers every dimension when HEAD_SIZE is not a multiple of 32 "
+                "(the lanes past it skip their last one).")
     if key == "kernel":
         return ("the instantiation is paged_attention_v1_kernel<dtype, HEAD_SIZE, BLOCK_SIZE, "
                 "NUM_THREADS>, with the dtypes.cuh names float / fp16_t / bf16_t "
