@@ -705,6 +705,11 @@ PERCENTILE_CASES = [
 ] + [([0.004, 0.012, 0.006, 0.031], 50), ([0.004, 0.012, 0.006, 0.031], 99), ([0.25], 99)]
 
 
+_PERCENTILE_RULE = (
+    "position (n - 1) * q / 100 in the sorted values, linear between its two neighbours"
+)
+
+
 def _percentile_hint(values: list[float], q: float, got: Any) -> str:
     ordered = sorted(values)
     n = len(ordered)
@@ -728,7 +733,7 @@ def _percentile_hint(values: list[float], q: float, got: Any) -> str:
         )
     if _close(got, interp(ordered, min(n * q / 100, n - 1))):
         return "the position is (n - 1) * q / 100, not n * q / 100: q=100 is the last value"
-    return "position (n - 1) * q / 100 in the sorted values, linear between its two neighbours"
+    return _PERCENTILE_RULE
 
 
 _METRICS_HINT = (
@@ -752,7 +757,7 @@ def _percentile_error_hint(error: BaseException) -> str:
             "lo + 1 is past the end of the list: take the upper neighbour as "
             "hi = min(lo + 1, n - 1)"
         )
-    return "position (n - 1) * q / 100 in the sorted values, linear between its two neighbours"
+    return _PERCENTILE_RULE
 
 
 def exercise_3(ttft: Callable, tpot: Callable, percentile: Callable) -> None:

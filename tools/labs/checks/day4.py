@@ -10,9 +10,9 @@ with the reference backend. Exercise 5 flattens the batches that a
 chunked-prefill engine really ran (one request forks into n=2 sequences)
 and compares them with the engine's own `FlatBatch`. When an answer is
 wrong, the checker tries the common mistakes and names the one the answer
-matches. A NotImplementedError propagates; any other exception from the
-learner's code becomes an AssertionError saying where it was raised and
-what likely caused it.
+matches. An unfinished exercise's NotImplementedError propagates; any other
+exception from the learner's code becomes an AssertionError saying where it
+was raised and what likely caused it.
 """
 
 from __future__ import annotations

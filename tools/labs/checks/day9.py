@@ -15,8 +15,9 @@ Each exercise is one stage of the sampler, checked twice:
    batch, with the same seeds.
 
 When an answer is wrong, the checker tries the common mistakes and names the
-one it matches. A NotImplementedError propagates; any other exception from
-the learner's code becomes an AssertionError saying where it was raised.
+one it matches. An unfinished exercise's NotImplementedError propagates; any
+other exception from the learner's code becomes an AssertionError saying
+where it was raised.
 """
 
 from __future__ import annotations

@@ -233,8 +233,8 @@ class AsyncLLM(EngineClient):
         """Start the task that moves outputs from the engine core to the
         requests' queues (once; it runs until the engine core dies). It
         holds what it needs, not `self`, so the AsyncLLM can be collected.
-        An AsyncLLM serves one event loop, as vLLM's: a request on another
-        is refused, since no output would ever reach it."""
+        An AsyncLLM serves one event loop: a request on another is refused,
+        since no output would ever reach it."""
         if self.output_handler is not None:
             if self.output_handler.get_loop() is not asyncio.get_running_loop():
                 raise RuntimeError(
